@@ -1,0 +1,11 @@
+"""m2ops: the Mamba-2 SSD scan as torch.library custom ops, with cuTile kernels on NVIDIA GPUs and a
+pure-PyTorch chunked reference everywhere else.
+
+    from m2ops import mamba_chunk_scan_combined   # instead of mamba_ssm.ops.triton.ssd_combined
+"""
+
+from . import ops
+from .scan_combined import mamba_chunk_scan_combined
+
+__version__ = "0.1.0"
+__all__ = ["mamba_chunk_scan_combined", "ops", "__version__"]

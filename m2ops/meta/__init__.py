@@ -1,0 +1,1 @@
+"""Shape and dtype rules, fake (meta) implementations and input validation, shared by every backend."""

@@ -1,0 +1,47 @@
+"""Fake (meta) implementations: output shapes and dtypes only, from the rules in shapes.py. torch.compile and
+opcheck trace the ops through these."""
+
+from __future__ import annotations
+
+from .shapes import (compute_dtype, cumsum_shape, final_states_shape, states_shape,
+                     varlen_states_shape)
+
+
+def chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    shape = cumsum_shape(dt.shape[0], dt.shape[1], dt.shape[2], chunk_size)
+    acc = compute_dtype(dt.dtype)
+    return dt.new_empty(shape, dtype=acc), dt.new_empty(shape, dtype=acc)
+
+
+def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens):
+    b, _, h, p = x.shape
+    n = B.shape[-1]
+    acc = dt_out.dtype
+    return (x.new_empty(states_shape(b, dt_out.shape[2], h, p, n), dtype=acc),
+            x.new_empty(final_states_shape(b, h, p, n), dtype=acc),
+            x.new_empty(varlen_states_shape(cu_seqlens, h, p, n), dtype=acc))
+
+
+def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
+    return x.new_empty(x.shape)
+
+
+def _like(t, ref):
+    """Gradient of an optional input: its shape, or an empty tensor when the input is absent."""
+    return ref.new_empty((0,)) if t is None else t.new_empty(t.shape)
+
+
+def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    return dt.new_empty(dt.shape), A.new_empty(A.shape), _like(dt_bias, A)
+
+
+def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
+                       cu_seqlens):
+    return (x.new_empty(x.shape), B.new_empty(B.shape), dt_out.new_empty(dt_out.shape),
+            dA_cumsum.new_empty(dA_cumsum.shape), _like(initial_states, dt_out))
+
+
+def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
+    return (x.new_empty(x.shape), dt_out.new_empty(dt_out.shape), dA_cumsum.new_empty(dA_cumsum.shape),
+            C.new_empty(C.shape), B.new_empty(B.shape), states.new_empty(states.shape), _like(D, x),
+            _like(z, x))

@@ -1,0 +1,36 @@
+"""Shape and dtype rules of the ops, written once: the fake implementations, the reference and the kernel
+launchers all take their output shapes from here."""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_chunks(seqlen, chunk_size):
+    """Chunks covering seqlen tokens; the last one may be partial. Works on SymInts (dynamic seqlen)."""
+    return (seqlen + chunk_size - 1) // chunk_size
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation and state dtype: float64 inputs stay float64 (for gradcheck), all others use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cumsum_shape(batch, seqlen, nheads, chunk_size):
+    """dt_out and dA_cumsum: (batch, nheads, nchunks, chunk_size)."""
+    return (batch, nheads, num_chunks(seqlen, chunk_size), chunk_size)
+
+
+def states_shape(batch, nchunks, nheads, headdim, dstate):
+    """The state entering each chunk: (batch, nchunks, nheads, headdim, dstate)."""
+    return (batch, nchunks, nheads, headdim, dstate)
+
+
+def final_states_shape(batch, nheads, headdim, dstate):
+    return (batch, nheads, headdim, dstate)
+
+
+def varlen_states_shape(cu_seqlens, nheads, headdim, dstate):
+    """One final state per packed sequence; none when cu_seqlens is not given."""
+    nseq = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (nseq, nheads, headdim, dstate)

@@ -1,0 +1,148 @@
+"""Input validation of the public interface: every error names the argument and what was expected.
+
+check_inputs looks at shapes, dtypes, devices and plain values only, so it is free and traceable by
+torch.compile. check_values reads tensor contents (seq_idx and cu_seqlens), which needs a device-to-host copy;
+it runs in eager mode only (see should_check_values).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+_WHERE = "m2ops.mamba_chunk_scan_combined"
+
+
+def _fail(kind, name, expected, got):
+    raise kind(f"{_WHERE}: {name} must be {expected}; got {got}")
+
+
+def _tensor(name, t, dtypes, expected_kind):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        _fail(TypeError, name, f"a tensor of {expected_kind} dtype ({', '.join(str(d) for d in dtypes)})",
+              t.dtype)
+
+
+def _shape(name, t, expected, desc):
+    if tuple(t.shape) != tuple(expected):
+        _fail(ValueError, name, f"of shape {desc} = {tuple(expected)}", tuple(t.shape))
+
+
+def _device(name, t, device):
+    if t.device != device:
+        _fail(ValueError, name, f"on the same device as x ({device})", t.device)
+
+
+def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                 dt_limit, return_final_states, return_varlen_states):
+    """Raise TypeError or ValueError for the first argument that does not fit; return nothing."""
+    _tensor("x", x, FLOAT_DTYPES, "floating")
+    if x.dim() != 4:
+        _fail(ValueError, "x", "4-dimensional (batch, seqlen, nheads, headdim)", tuple(x.shape))
+    b, T, h, p = x.shape
+    if T < 1 or b < 1 or h < 1 or p < 1:
+        _fail(ValueError, "x", "non-empty in every dimension (batch, seqlen, nheads, headdim)", tuple(x.shape))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        _fail(TypeError, "chunk_size", "an int", type(chunk_size).__name__)
+    if chunk_size <= 0:
+        _fail(ValueError, "chunk_size", "a positive int", chunk_size)
+
+    _tensor("dt", dt, FLOAT_DTYPES, "floating")
+    _shape("dt", dt, (b, T, h), "(batch, seqlen, nheads)")
+    _tensor("A", A, FLOAT_DTYPES, "floating")
+    _shape("A", A, (h,), "(nheads,)")
+    _tensor("B", B, FLOAT_DTYPES, "floating")
+    if B.dim() != 4 or tuple(B.shape[:2]) != (b, T):
+        _fail(ValueError, "B", f"of shape (batch, seqlen, ngroups, dstate) = ({b}, {T}, ngroups, dstate)",
+              tuple(B.shape))
+    g, n = B.shape[2], B.shape[3]
+    if g < 1 or n < 1 or h % g != 0:
+        _fail(ValueError, "B", f"of shape (batch, seqlen, ngroups, dstate) with ngroups dividing nheads={h} "
+              "and dstate >= 1", tuple(B.shape))
+    _tensor("C", C, FLOAT_DTYPES, "floating")
+    _shape("C", C, (b, T, g, n), "(batch, seqlen, ngroups, dstate) like B")
+
+    if D is not None:
+        _tensor("D", D, FLOAT_DTYPES, "floating")
+        if tuple(D.shape) not in ((h,), (h, p)):
+            _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
+                  tuple(D.shape))
+    if z is not None:
+        _tensor("z", z, FLOAT_DTYPES, "floating")
+        _shape("z", z, (b, T, h, p), "(batch, seqlen, nheads, headdim) like x")
+    if dt_bias is not None:
+        _tensor("dt_bias", dt_bias, FLOAT_DTYPES, "floating")
+        _shape("dt_bias", dt_bias, (h,), "(nheads,)")
+    if initial_states is not None:
+        _tensor("initial_states", initial_states, FLOAT_DTYPES, "floating")
+        _shape("initial_states", initial_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
+    if seq_idx is not None:
+        _tensor("seq_idx", seq_idx, INDEX_DTYPES, "integer")
+        _shape("seq_idx", seq_idx, (b, T), "(batch, seqlen)")
+    if cu_seqlens is not None:
+        _tensor("cu_seqlens", cu_seqlens, INDEX_DTYPES, "integer")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            _fail(ValueError, "cu_seqlens", "1-dimensional (num_sequences + 1,) with at least 2 entries",
+                  tuple(cu_seqlens.shape))
+        if b != 1:
+            _fail(ValueError, "x", "of batch 1 when cu_seqlens packs sequences along seqlen", f"batch {b}")
+    if return_varlen_states and cu_seqlens is None:
+        _fail(ValueError, "cu_seqlens", "given when return_varlen_states=True", None)
+
+    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias),
+                    ("initial_states", initial_states), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
+        if t is not None:
+            _device(name, t, x.device)
+
+    if not isinstance(dt_softplus, bool):
+        _fail(TypeError, "dt_softplus", "a bool", type(dt_softplus).__name__)
+    for name, flag in (("return_final_states", return_final_states),
+                       ("return_varlen_states", return_varlen_states)):
+        if not isinstance(flag, bool):
+            _fail(TypeError, name, "a bool", type(flag).__name__)
+    if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
+        _fail(TypeError, "dt_limit", "a pair of floats (dt_min, dt_max)", dt_limit)
+    lo, hi = dt_limit
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        _fail(ValueError, "dt_limit", "(dt_min, dt_max) with dt_min <= dt_max", dt_limit)
+
+
+def should_check_values(*tensors) -> bool:
+    """Content checks need a host copy: skipped while torch.compile traces or a CUDA graph captures, and
+    when M2OPS_CHECK_VALUES=0."""
+    if all(t is None for t in tensors) or os.environ.get("M2OPS_CHECK_VALUES", "1") == "0":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_values(seq_idx, cu_seqlens, seqlen):
+    """seq_idx must not decrease along seqlen; cu_seqlens must run from 0 to seqlen, strictly increasing;
+    given both, seq_idx must number the sequences of cu_seqlens 0, 1, 2, ..."""
+    if seq_idx is not None and seqlen > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        _fail(ValueError, "seq_idx", "non-decreasing along seqlen (one id per packed sequence)",
+              "a decreasing step")
+    if cu_seqlens is None:
+        return
+    cu = cu_seqlens.cpu()
+    if int(cu[0]) != 0 or int(cu[-1]) != seqlen or bool((cu[1:] <= cu[:-1]).any()):
+        _fail(ValueError, "cu_seqlens", f"strictly increasing from 0 to seqlen={seqlen}", cu.tolist())
+    if seq_idx is not None:
+        expected = seq_idx_from_cu_seqlens(cu, seqlen)
+        if not torch.equal(seq_idx.cpu().long(), expected.long()):
+            _fail(ValueError, "seq_idx", "the sequence number of each token under cu_seqlens (0, 1, 2, ...)",
+                  "ids that do not match cu_seqlens")
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens, seqlen):
+    """(1, seqlen) int32 sequence number of every token; traceable (no host copy)."""
+    pos = torch.arange(seqlen, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), pos, right=True).to(torch.int32).unsqueeze(0)

@@ -1,0 +1,48 @@
+"""m2ops::fwd_pass_state: the state entering each chunk, the final state, and (for cu_seqlens) each packed
+sequence's final state, from initial_states and with restarts at seq_idx changes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+from torch.library import custom_op
+
+from ..meta import fake
+from . import dispatch
+from ..reference import chunked as ref
+from ..reference.backward import reference_vjp
+
+
+@custom_op("m2ops::fwd_pass_state", mutates_args=())
+def fwd_pass_state(x: Tensor, B: Tensor, dt_out: Tensor, dA_cumsum: Tensor, initial_states: Optional[Tensor],
+                   seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return ref.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
+
+
+@custom_op("m2ops::fwd_pass_state_bwd", mutates_args=())
+def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: Tensor, B: Tensor, dt_out: Tensor,
+                       dA_cumsum: Tensor, initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                       cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None)."""
+    args = (x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
+    return reference_vjp(ref.fwd_pass_state, args, (0, 1, 2, 3, 4), (g_states, g_final, g_varlen))
+
+
+fwd_pass_state.register_fake(fake.fwd_pass_state)
+fwd_pass_state.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state", ref.fwd_pass_state))
+fwd_pass_state_bwd.register_fake(fake.fwd_pass_state_bwd)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, g_states, g_final, g_varlen):
+    x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    g_x, g_B, g_dt, g_dA, g_init = fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum,
+                                                      initial_states, seq_idx, cu_seqlens)
+    return g_x, g_B, g_dt, g_dA, g_init if initial_states is not None else None, None, None
+
+
+fwd_pass_state.register_autograd(_backward, setup_context=_setup)

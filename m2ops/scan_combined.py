@@ -1,0 +1,62 @@
+"""mamba_chunk_scan_combined: the public function, call-compatible with mamba_ssm's function of that name."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .meta.validate import check_inputs, check_values, seq_idx_from_cu_seqlens, should_check_values
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False):
+    """The Mamba-2 SSD scan over a whole sequence, in chunks of chunk_size tokens.
+
+    Args:
+        x: (batch, seqlen, nheads, headdim) input.
+        dt: (batch, seqlen, nheads) step sizes, before dt_bias / softplus / dt_limit.
+        A: (nheads,) decay rates (negative for a stable state).
+        B, C: (batch, seqlen, ngroups, dstate); ngroups divides nheads, head k reads group k // (nheads/ngroups).
+        chunk_size: tokens per chunk (any positive int; seqlen need not be a multiple of it).
+        D: optional skip connection, (nheads,) or (nheads, headdim).
+        z: optional gate like x: the output is multiplied by silu(z).
+        dt_bias: optional (nheads,) added to dt first.
+        initial_states: optional (batch, nheads, headdim, dstate) state before token 0 (of sequence 0).
+        seq_idx: optional (batch, seqlen) int32/int64 sequence ids, non-decreasing; the state restarts at
+            each change.
+        cu_seqlens: optional (num_sequences + 1,) cumulative lengths of sequences packed along seqlen
+            (batch 1). Without seq_idx, the ids are derived from it.
+        dt_softplus: apply softplus to dt (+ dt_bias); the identity above 20.
+        dt_limit: (dt_min, dt_max) clamp applied to dt last (the default turns negative dt into 0).
+        return_final_states: also return the state after the last token, (batch, nheads, headdim, dstate).
+        return_varlen_states: also return each packed sequence's final state, (num_sequences, nheads,
+            headdim, dstate); needs cu_seqlens.
+
+    Returns:
+        y of x's shape and dtype; then final_states if asked, then varlen_states if asked. States are float32
+        (float64 for float64 inputs).
+    """
+    check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                 dt_limit, return_final_states, return_varlen_states)
+    seqlen = x.shape[1]
+    if should_check_values(seq_idx, cu_seqlens):
+        check_values(seq_idx, cu_seqlens, seqlen)
+    if cu_seqlens is not None and seq_idx is None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
+    dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
+
+    dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    states, final_states, varlen_states = ops.fwd_pass_state(
+        x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens if return_varlen_states else None)
+    y = ops.compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+
+    out = (y,)
+    if return_final_states:
+        out += (final_states,)
+    if return_varlen_states:
+        out += (varlen_states,)
+    return out[0] if len(out) == 1 else out
+
+
+__all__ = ["mamba_chunk_scan_combined"]
