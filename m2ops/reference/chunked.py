@@ -32,10 +32,9 @@ def to_chunks(t: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, chunk_size, *t.shape[2:])
 
 
-def group_to_heads(t: torch.Tensor, nheads: int) -> torch.Tensor:
-    """(..., g, n) -> (..., h, n): head k reads group k // (h / g)."""
-    g = t.shape[-2]
-    return t.unsqueeze(-2).expand(*t.shape[:-1], nheads // g, t.shape[-1]).reshape(*t.shape[:-2], nheads, t.shape[-1])
+def by_group(t: torch.Tensor, ngroups: int, dim: int) -> torch.Tensor:
+    """Split the heads dimension into (ngroups, heads per group): head k reads group k // (h / g)."""
+    return t.unflatten(dim, (ngroups, -1))
 
 
 def seq_chunks(seq_idx: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,11 +64,11 @@ def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: flo
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens):
     """The state entering each chunk, the final state, and each varlen sequence's final state."""
     b, T, h, p = x.shape
-    n = B.shape[-1]
+    g, n = B.shape[2:]
     L = dt_out.shape[-1]
     acc = dt_out.dtype
-    xc = to_chunks(x.to(acc), L)  # b c l h p
-    Bc = group_to_heads(to_chunks(B.to(acc), L), h)  # b c l h n
+    xc = by_group(to_chunks(x.to(acc), L), g, 3)  # b c l g r p  (r heads per group)
+    Bc = to_chunks(B.to(acc), L)  # b c l g n
     last = dA_cumsum[..., -1:]  # b h c 1
     w = torch.exp(last - dA_cumsum) * dt_out  # weight of each token in its chunk's end state
     carry = torch.exp(last[..., 0])  # b h c: decay of the entering state across the chunk
@@ -77,7 +76,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
         seq, prev = seq_chunks(seq_idx, L)
         w = w * (seq == seq[..., -1:]).unsqueeze(1)
         carry = carry * (seq[..., -1] == prev).unsqueeze(1)
-    local = torch.einsum("bhcl,bclhp,bclhn->bchpn", w, xc, Bc)
+    local = torch.einsum("bgrcl,bclgrp,bclgn->bcgrpn", by_group(w, g, 1), xc, Bc).flatten(2, 3)
     s = initial_states.to(acc) if initial_states is not None else x.new_zeros((b, h, p, n), dtype=acc)
     entering = []
     for c in range(local.shape[1]):
@@ -91,34 +90,40 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
 
 def varlen_states(xc, Bc, dt_out, dA_cumsum, states, cu_seqlens):
     """Final state of each packed sequence (batch 1): its last chunk's entering state, carried when the
-    sequence began before that chunk, plus the sequence's tokens inside that chunk."""
+    sequence began before that chunk, plus the sequence's tokens inside that chunk.
+
+    xc (1, c, l, g, r, p) and Bc (1, c, l, g, n) are the chunked inputs of fwd_pass_state."""
     L = dt_out.shape[-1]
     starts, last_tok = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - 1
     chunk = torch.div(last_tok, L, rounding_mode="floor")
     pos = chunk[:, None] * L + torch.arange(L, device=chunk.device)  # (s, l) padded token positions
     inside = (pos >= starts[:, None]) & (pos <= last_tok[:, None])
-    h = dt_out.shape[1]
+    h, g = dt_out.shape[1], Bc.shape[3]
     cs = dA_cumsum[0].permute(1, 2, 0).reshape(-1, h)  # (c*l, h)
     dt = dt_out[0].permute(1, 2, 0).reshape(-1, h)
     cs_end = cs[last_tok]  # (s, h)
-    w = torch.exp(cs_end[:, None] - cs[pos]) * dt[pos] * inside[..., None]
-    x_tok = xc[0].reshape(-1, *xc.shape[3:])[pos]  # (s, l, h, p)
-    B_tok = Bc[0].reshape(-1, *Bc.shape[3:])[pos]  # (s, l, h, n)
+    # Mask before exp: past a sequence's last token cs_end - cs > 0 can overflow, and inf * 0 is nan.
+    w = torch.exp((cs_end[:, None] - cs[pos]).masked_fill(~inside[..., None], float("-inf"))) * dt[pos]
+    w = by_group(w, g, 2)  # (s, l, g, r)
+    x_tok = xc[0].flatten(0, 1)[pos]  # (s, l, g, r, p)
+    B_tok = Bc[0].flatten(0, 1)[pos]  # (s, l, g, n)
     # The entering state belongs to this sequence when the token before the chunk does (or, for the
     # sequence starting at 0, when it is initial_states).
     owns = (starts < chunk * L) | (starts == 0)
     decay = torch.exp(cs_end) * owns[:, None]
-    return decay[..., None, None] * states[0, chunk] + torch.einsum("slh,slhp,slhn->shpn", w, x_tok, B_tok)
+    tokens = torch.einsum("slgr,slgrp,slgn->sgrpn", w, x_tok, B_tok).flatten(1, 2)
+    return decay[..., None, None] * states[0, chunk] + tokens
 
 
 def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     """y = intra-chunk (C_i . B_j) decay dt_j x_j  +  decay C_i . entering state  +  D x, then * silu(z)."""
     b, T, h, p = x.shape
+    g = B.shape[2]
     L = dt_out.shape[-1]
     acc = dt_out.dtype
-    xc = to_chunks(x.to(acc), L)
-    Bc = group_to_heads(to_chunks(B.to(acc), L), h)
-    Cc = group_to_heads(to_chunks(C.to(acc), L), h)
+    xc = by_group(to_chunks(x.to(acc), L), g, 3)  # b c l g r p
+    Bc = to_chunks(B.to(acc), L)  # b c l g n
+    Cc = to_chunks(C.to(acc), L)
     cs = dA_cumsum
     mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
     inter = torch.exp(cs)  # b h c l
@@ -127,9 +132,10 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
         mask = mask & (seq[..., :, None] == seq[..., None, :]).unsqueeze(1)  # b 1 c l s
         inter = inter * (seq == prev[..., None]).unsqueeze(1)
     decay = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~mask, float("-inf")))
-    cb = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc)
-    y = torch.einsum("bhcls,bhcs,bcshp->bclhp", cb * decay, dt_out, xc)
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states.to(acc), inter)
+    cb = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc).unsqueeze(2)  # shared by the group's heads
+    w = by_group(decay * dt_out[..., None, :], g, 1) * cb  # b g r c l s
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", w, xc)
+    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, by_group(states.to(acc), g, 2), by_group(inter, g, 1))
     y = y.reshape(b, -1, h, p)[:, :T]
     if D is not None:
         y = y + x.to(acc) * (D.to(acc)[:, None] if D.dim() == 1 else D.to(acc))
