@@ -1,0 +1,119 @@
+"""python -m m2ops.bench: m2ops side by side with mamba_ssm and TileGym (DESIGN.md §4).
+
+Each peer and shape runs in its own subprocess; errors and timeouts are recorded with the result. Writes
+results.json (merged with an earlier run's under --resume), results.md and speedup.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .peers import PEERS
+from .report import markdown, plot
+from .shapes import grid
+
+
+def _ints(text):
+    return [int(v.replace("K", "")) * (1024 if v.endswith("K") else 1) for v in text.split(",")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m m2ops.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=_ints, default=_ints("1K,4K,16K,64K,256K"), help="e.g. 1K,4K,16K")
+    p.add_argument("--dstates", type=_ints, default=_ints("64,128,256,512"))
+    p.add_argument("--peers", default="m2ops,m2ops-graph,mamba_ssm-c64,mamba_ssm-c128,mamba_ssm-c256,tilegym",
+                   help=f"comma-separated, from: {', '.join(PEERS)}")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--nheads", type=int, default=80)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--ngroups", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=128, help="m2ops's chunk size")
+    p.add_argument("--runs", type=int, default=100, help="timed runs per point (median reported)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per point before it is recorded as a timeout")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
+    p.add_argument("--backward", action="store_true", help="forward+backward (needs the backward kernels)")
+    return p.parse_args(argv)
+
+
+def run_point(job, timeout):
+    cmd = [sys.executable, "-m", "m2ops.bench.worker", json.dumps(job)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit code {proc.returncode}: {' / '.join(tail)}"[:300]}
+
+
+def _progress(total):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, unit="point", file=sys.stderr)
+    except ImportError:
+        return None
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.backward:
+        sys.exit("--backward needs the cuTile backward kernels (issue 5); not available yet")
+    peers = a.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        sys.exit(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
+    shapes = grid(a.seqlens, a.dstates, batch=a.batch, nheads=a.nheads, headdim=a.headdim, ngroups=a.ngroups,
+                  dtype=a.dtype)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "results.json")
+    results = []
+    if a.resume and os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    done = {(r["peer"], r["key"]) for r in results if "ms" in r}
+    results = [r for r in results if (r["peer"], r["key"]) in done]
+    todo = [(s, p) for s in shapes for p in peers if (p, s.key) not in done]
+    bar = _progress(len(todo))
+    for i, (shape, peer) in enumerate(todo):
+        job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
+                   device=a.device)
+        t0 = time.perf_counter()
+        r = run_point(job, a.timeout)
+        r.update(peer=peer, key=shape.key, shape=shape.as_dict(), floor_ms=shape.floor_ms(),
+                 wall_s=round(time.perf_counter() - t0, 1))
+        results.append(r)
+        with open(path, "w") as f:  # after every point: a killed run keeps what it measured
+            json.dump(results, f, indent=1)
+        msg = f"{peer:>15} {shape.key}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:100])
+        if bar is not None:
+            bar.update(1)
+            bar.write(msg)
+        else:
+            print(f"[{i + 1}/{len(todo)}] {msg}", flush=True)
+    if bar is not None:
+        bar.close()
+    order = [p for p in PEERS if p in {r["peer"] for r in results}]
+    table = markdown(results, order)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(table)
+    try:
+        plot(results, os.path.join(a.out, "speedup.png"))
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The implementations a benchmark compares, each behind the same call: fn() runs one forward pass with
+final states on the shared inputs. A peer that cannot be imported reports why instead of a callable."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+PEERS = ("m2ops", "m2ops-graph", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
+         "tilegym-tuned")
+
+
+def make_inputs(shape, device, seed=0):
+    """x, B, C in the shape's dtype; dt (already positive: every peer takes it without softplus), A, D and
+    the initial state in float32 — the protocol of DESIGN.md §4."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    b, T, h, p, G, n = shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate
+
+    def randn(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device)
+
+    return dict(x=randn(b, T, h, p).to(dtype), dt=F.softplus(randn(b, T, h) - 3.0),
+                A=-torch.rand(h, generator=g).add(0.5).to(device),
+                B=randn(b, T, G, n, scale=n ** -0.5).to(dtype), C=randn(b, T, G, n, scale=n ** -0.5).to(dtype),
+                D=randn(h), initial_states=randn(b, h, p, n, scale=0.1))
+
+
+def build(peer: str, inputs: dict, chunk_size: int):
+    """Returns fn() for the peer; raises ImportError/RuntimeError when it cannot run."""
+    x, dt, A, B, C, D, init = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_states"))
+    if peer in ("m2ops", "m2ops-graph"):
+        from m2ops import mamba_chunk_scan_combined
+
+        def fn():
+            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=init,
+                                             return_final_states=True)
+        return _graphed(fn) if peer == "m2ops-graph" else fn
+    if peer.startswith("mamba_ssm-c"):
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as ms_scan
+        chunk = int(peer.split("-c")[1])
+        return lambda: ms_scan(x, dt, A, B, C, chunk, D=D, initial_states=init, return_final_states=True)
+    if peer in ("tilegym", "tilegym-tuned"):
+        # TileGym's own switch, read when a shape is first launched: untuned takes its first config.
+        os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if peer.endswith("tuned") else "1"
+        from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
+        return lambda: mamba2_chunk_forward(x, A, B, C, D, dt, init, chunk_size=64)
+    raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+
+
+def _graphed(fn):
+    """Capture fn in a CUDA graph (after a warm-up on a side stream) and return its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

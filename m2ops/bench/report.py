@@ -1,0 +1,72 @@
+"""Results as a markdown table and a PNG plot of m2ops's speedup over each peer."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def _fmt_ms(r):
+    if r is None:
+        return ""
+    if "error" in r:
+        return "fails: " + r["error"].replace("|", "/")[:60]
+    return f"{r['ms']:.3f}"
+
+
+def markdown(results: list[dict], peers: list[str]) -> str:
+    """One row per shape: each peer's ms, m2ops's speedup over it, the floor and m2ops's multiple of it."""
+    by_shape = defaultdict(dict)
+    shapes = {}
+    for r in results:
+        by_shape[r["key"]][r["peer"]] = r
+        shapes[r["key"]] = r
+    others = [p for p in peers if not p.startswith("m2ops")]
+    head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
+            + ["floor ms", "m2ops / floor"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
+                                                             shapes[kv[0]]["shape"]["dstate"])):
+        s = shapes[key]
+        ours = row.get("m2ops")
+        cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p)) for p in peers]
+        for p in others:
+            r = row.get(p)
+            ok = ours and "ms" in ours and r and "ms" in r
+            cells.append(f"{r['ms'] / ours['ms']:.2f}" if ok else "")
+        floor = s["floor_ms"]
+        cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _t(seqlen):
+    return f"{seqlen // 1024}K" if seqlen % 1024 == 0 else str(seqlen)
+
+
+def plot(results: list[dict], path: str):
+    """Speedup of m2ops over each peer against sequence length, one line per dstate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = {r["key"]: r for r in results if r["peer"] == "m2ops" and "ms" in r}
+    others = sorted({r["peer"] for r in results if not r["peer"].startswith("m2ops")})
+    if not others:
+        return
+    fig, axes = plt.subplots(1, len(others), figsize=(4.5 * len(others), 3.6), squeeze=False)
+    for ax, peer in zip(axes[0], others):
+        lines = defaultdict(list)
+        for r in results:
+            if r["peer"] == peer and "ms" in r and r["key"] in ours:
+                lines[r["shape"]["dstate"]].append((r["shape"]["seqlen"], r["ms"] / ours[r["key"]]["ms"]))
+        for n, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"dstate {n}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"m2ops speedup over {peer}")
+        ax.set_xlabel("sequence length")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("× (peer time / m2ops time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,37 @@
+"""Timing by the protocol: CUDA events, L2 flushed before each run, warm-up excluded, median of many runs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, runs: int = 100, warmup: int = 10, device=None) -> float:
+    if device is None or torch.device(device).type != "cuda":
+        return _median_ms_host(fn, runs, warmup)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    flush = torch.empty(max(2 * l2, 1 << 26), dtype=torch.uint8, device=device)
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for s, e in zip(starts, ends):
+        flush.zero_()  # evict the inputs: every run reads them from HBM
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _median_ms_host(fn, runs, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
