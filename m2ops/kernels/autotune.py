@@ -1,0 +1,144 @@
+"""Autotuning of kernel launch configurations, with results that persist across processes.
+
+A launcher names its op, a key describing the shape class it tunes for, a default configuration and a short
+list of candidates. The first call for a key times the candidates (within a time budget, showing progress)
+and stores the winner in a JSON file keyed by GPU name, cuda-tile and tileiras versions, op, dtype and shape
+class; later calls and later processes read it back.
+
+    M2OPS_AUTOTUNE=0          never search: use the stored winner if any, else the default
+    M2OPS_TUNING_CACHE=path   where results live (default ~/.cache/m2ops/tuning.json)
+    M2OPS_TUNE_BUDGET_S=20    seconds one new key may spend searching
+
+No search runs while a CUDA graph captures or torch.compile traces: the default is used then, and the
+shape can be tuned ahead of time with m2ops.kernels.autotune.pretune (or any eager call).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Sequence
+
+_lock = threading.Lock()
+_memory: dict[str, dict] = {}  # this process's view of the file, plus its own results
+
+
+def cache_path() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "m2ops", "tuning.json")
+    return os.environ.get("M2OPS_TUNING_CACHE", default)
+
+
+def enabled() -> bool:
+    return os.environ.get("M2OPS_AUTOTUNE", "1") not in ("0", "false", "off", "no")
+
+
+def budget_s() -> float:
+    return float(os.environ.get("M2OPS_TUNE_BUDGET_S", "20"))
+
+
+@functools.lru_cache(maxsize=None)
+def environment_key(device_index: int = 0) -> str:
+    """GPU name and compiler versions: a result is reused only where it was measured."""
+    try:
+        import torch
+        gpu = torch.cuda.get_device_name(device_index) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - no CUDA runtime: key by "cpu"
+        gpu = "cpu"
+    return f"{gpu}|cuda-tile {_version('cuda-tile')}|tileiras {_version('nvidia-cuda-tileiras')}"
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:  # noqa: BLE001 - not installed: part of the key all the same
+        return "none"
+
+
+def _load() -> dict:
+    try:
+        with open(cache_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, entry: dict) -> None:
+    """Read-merge-write through a temporary file and rename, so concurrent processes never see half a file."""
+    path = cache_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    data = _load()
+    data[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tuning-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def lookup(key: str):
+    """The stored configuration for a full key, or None."""
+    with _lock:
+        if key not in _memory:
+            _memory.update(_load())
+        entry = _memory.get(key)
+    return None if entry is None else entry["config"]
+
+
+def full_key(op: str, shape_key: str, device_index: int = 0) -> str:
+    return f"{environment_key(device_index)}|{op}|{shape_key}"
+
+
+def choose(op: str, shape_key: str, default: dict, candidates: Sequence[dict], time_config: Callable[[dict], float],
+           can_search: bool = True, device_index: int = 0) -> dict:
+    """The configuration to launch with: stored winner, else a fresh search (when allowed), else default.
+
+    time_config(config) returns milliseconds (inf for a configuration that fails)."""
+    key = full_key(op, shape_key, device_index)
+    found = lookup(key)
+    if found is not None:
+        return found
+    if not (can_search and enabled()) or len(candidates) <= 1:
+        return default
+    best, timings = search(op, shape_key, [default, *[c for c in candidates if c != default]], time_config)
+    entry = {"config": best, "ms": timings[json.dumps(best, sort_keys=True)], "searched": len(timings),
+             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with _lock:
+        _memory[key] = entry
+        _store(key, entry)
+    return best
+
+
+def search(op: str, shape_key: str, candidates: Sequence[dict], time_config: Callable[[dict], float]):
+    """Time candidates in order until the budget is spent; the default comes first so it is always timed."""
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+    best, best_ms = candidates[0], float("inf")
+    for i, config in enumerate(candidates):
+        if i and time.perf_counter() - start > budget_s():
+            break
+        try:
+            ms = time_config(config)
+        except Exception:  # noqa: BLE001 - a candidate that does not compile or launch loses
+            ms = float("inf")
+        timings[json.dumps(config, sort_keys=True)] = ms
+        if ms < best_ms:
+            best, best_ms = config, ms
+        _progress(op, shape_key, i + 1, len(candidates), best_ms)
+    print(file=sys.stderr)
+    return best, timings
+
+
+def _progress(op, shape_key, done, total, best_ms):
+    sys.stderr.write(f"\rm2ops autotune {op} [{shape_key}]: {done}/{total} configs, best {best_ms:.4f} ms")
+    sys.stderr.flush()
+
+
+def forget() -> None:
+    """Drop this process's in-memory view (tests; after editing the file by hand)."""
+    with _lock:
+        _memory.clear()
