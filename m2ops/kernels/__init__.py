@@ -1,0 +1,26 @@
+"""cuTile kernels of the three forward ops, behind launchers with the reference functions' signatures.
+
+    chunk_cumsum.py    chunk_cumsum_kernel    dt preprocessing, within-chunk cumsum of dt*A
+    fwd_pass_state.py  fwd_pass_state_kernel  chunk-entering and final states (sequential over chunks)
+    varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
+    compute_out.py     compute_out_kernel     y, with D and z fused
+    launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
+    specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
+    support.py         unavailable_reason(device_index)
+
+Without cuda.tile the package still imports (autotune.py needs no cuTile) but defines no launchers;
+unavailable_reason then says cuda.tile is missing, and m2ops.ops.dispatch runs the reference.
+"""
+
+from .support import unavailable_reason
+
+try:
+    import cuda.tile  # noqa: F401
+except ImportError:
+    __all__ = ["unavailable_reason"]
+else:
+    # Imported after the kernel modules of the same names, so these names are the launchers.
+    from .launch import chunk_cumsum, compute_out, fwd_pass_state
+    from .specs import all_specs
+
+    __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "unavailable_reason", "all_specs"]

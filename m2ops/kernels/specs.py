@@ -1,0 +1,128 @@
+"""Every specialisation of every kernel that the launchers can launch, and a KernelSignature for each, so
+that they can be compiled ahead of time (tests/test_kernels_compile.py builds all of them for several GPU
+architectures without a GPU).
+
+A specialisation is a kernel plus its compile-time constants and its array dtypes. The launchers convert
+inputs so that only these combinations occur: all activations in one dtype (float16, bfloat16 or float32),
+the chunk intermediates, states, A, dt_bias, D and initial_states in float32, seq_idx and cu_seqlens in
+int32. Flags that only select a branch outside the inner loops (dt_bias, softplus, initial_states, D, z) are
+run-time arguments and do not multiply the specialisations; seq_idx, which masks inside the inner loops,
+is a constant (HAS_SEQ).
+
+The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
+actual strides and alignment, as it does for any kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import cuda.tile as ct
+from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+
+from . import launch
+from .chunk_cumsum import chunk_cumsum_kernel
+from .common import CHUNK_SIZES, INPUT_DTYPES
+from .compute_out import compute_out_kernel
+from .fwd_pass_state import fwd_pass_state_kernel
+from .varlen_states import varlen_states_kernel
+
+F32, I32 = "float32", "int32"
+
+
+@dataclass(frozen=True)
+class Spec:
+    kernel_name: str
+    dtype: str                       # dtype of the activations (of dt for chunk_cumsum)
+    constants: dict = field(hash=False)
+    # Run-time parameters in order: ("array", dtype, ndim) or ("int",) / ("float",).
+    params: tuple = field(hash=False)
+
+    @property
+    def kernel(self):
+        return _KERNELS[self.kernel_name]
+
+    @property
+    def name(self) -> str:
+        consts = ",".join(f"{k}={v}" for k, v in self.constants.items())
+        return f"{self.kernel_name}[{self.dtype},{consts}]"
+
+    def signature(self) -> KernelSignature:
+        return _signature(self.kernel, self.params, self.constants)
+
+
+_KERNELS = {
+    "chunk_cumsum": chunk_cumsum_kernel,
+    "fwd_pass_state": fwd_pass_state_kernel,
+    "varlen_states": varlen_states_kernel,
+    "compute_out": compute_out_kernel,
+}
+
+
+def _a(dtype, ndim):
+    return ("array", dtype, ndim)
+
+
+_INT, _FLOAT = ("int",), ("float",)
+
+
+def _params(kernel_name: str, dt: str) -> tuple:
+    """Run-time parameters of each kernel, in the order of its Python signature (constants excluded)."""
+    if kernel_name == "chunk_cumsum":
+        return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
+                _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
+    if kernel_name == "fwd_pass_state":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(F32, 4),
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "varlen_states":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
+                _INT, _INT)
+    if kernel_name == "compute_out":
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(F32, 2), _a(dt, 4),
+                _a(I32, 2), _a(dt, 4),
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    raise KeyError(kernel_name)
+
+
+def all_specs() -> list[Spec]:
+    """The complete list, in a stable order."""
+    out = []
+    for dt in INPUT_DTYPES:
+        for L in CHUNK_SIZES:
+            out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
+            for has_seq in (False, True):
+                out.append(Spec("fwd_pass_state", dt, launch.fwd_pass_state_constants(L, has_seq),
+                                _params("fwd_pass_state", dt)))
+            out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
+                            _params("varlen_states", dt)))
+            for has_seq in (False, True):
+                out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq),
+                                _params("compute_out", dt)))
+    return out
+
+
+def _signature(kernel, params, constants) -> KernelSignature:
+    """Constraints in the kernel's parameter order: run-time parameters from params, in order, for the
+    non-constant parameters; constants by name. Array index widths follow the kernel's annotations."""
+    ann = kernel._annotated_function
+    names = list(ann.pysig.parameters)
+    rt = iter(params)
+    constraints = []
+    for name, node in zip(names, ann.parameter_annotations):
+        if node.constant:
+            constraints.append(constants[name])
+            continue
+        kind = next(rt)
+        if kind[0] == "array":
+            index_dtype = node.array.index_dtype if node.array is not None else ct.int32
+            ndim = kind[2]
+            constraints.append(ArrayConstraint(
+                getattr(ct, kind[1]), ndim, index_dtype=index_dtype, stride_lower_bound_incl=0,
+                alias_groups=(), may_alias_internally=False, stride_constant=(None,) * (ndim - 1) + (1,)))
+        elif kind[0] == "int":
+            constraints.append(ScalarConstraint(ct.int32))
+        else:
+            constraints.append(ScalarConstraint(ct.float32))
+    if next(rt, None) is not None:
+        raise ValueError(f"{kernel._pyfunc.__name__}: more run-time parameters described than it takes")
+    return KernelSignature(constraints, CallingConvention.cutile_python_v2())

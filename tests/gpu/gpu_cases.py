@@ -1,0 +1,134 @@
+"""Inputs, expected values and tolerances for the kernel tests (test_kernels.py and check_kernels.py).
+
+Expected values come from m2ops.reference.chunked run on the same (already rounded) inputs; it computes in
+float32 for every non-float64 input. What the tolerances measure is therefore the kernels' own error.
+
+Tolerances (TOL): normwise relative error ||out - ref|| / ||ref||, per output and input dtype.
+- chunk_cumsum: float32 throughout, only the summation order and exp/log ulps differ: 2e-6.
+- states, final and varlen states (float32 outputs): the token products w_j * B_j are rounded to the input
+  dtype before the tensor-core product (as Triton implementations do), u = 2^-11 (fp16), 2^-8 (bf16);
+  float32 inputs use a float32 mma. Errors average over a chunk: 2e-4 (fp32), 2e-3 (fp16), 1e-2 (bf16).
+- y: also rounded to x's dtype at the end (as the reference is), and the inter-chunk product runs in tf32
+  (u = 2^-11): 3e-3 (fp32, fp16), 2e-2 (bf16).
+Largest errors seen on an H200 (check_kernels.py, 10 cases): cumsum 8e-8; states 7e-8 (fp32), 2.1e-4
+(fp16), 1.7e-3 (bf16); y 1.4e-4 (fp32), 3.5e-4 (fp16), 2.6e-3 (bf16). A wrong index or mask gives errors
+of order 1e-1 and more.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from m2ops.reference import chunked as ref
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CHUNK_SIZES = (16, 32, 64, 128, 256)
+
+TOL = {
+    "cumsum": {torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float32: 2e-6},
+    "states": {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-4},
+    "y": {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 3e-3},
+}
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """||out - expected|| / ||expected|| in float64 (0 for empty tensors); inf when out is not finite."""
+    if expected.numel() == 0:
+        return 0.0
+    o = out.detach().double()
+    e = expected.detach().double().to(o.device)
+    if not torch.isfinite(o).all():
+        return math.inf
+    return ((o - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator(device="cuda", nbytes=1 << 28):
+    """Fill a large block with NaN and free it: the caching allocator hands it out next, so an output element
+    that a kernel fails to write shows up as NaN."""
+    t = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device=device)
+    del t
+
+
+def make_case(*, batch=1, seqlen=100, nheads=4, headdim=16, ngroups=1, dstate=16, dtype=torch.bfloat16,
+              chunk_size=64, seed=0, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")),
+              D=None, z=False, initial_states=False, seq_idx=False, cu_seqlens=False, nseqs=4,
+              noncontig=False, dt_dtype=None, device="cuda"):
+    """Keyword inputs of mamba_chunk_scan_combined plus the call flags, as one dict.
+
+    D: None, "h" or "hp". seq_idx: random non-decreasing ids per row. cu_seqlens (batch 1): nseqs packed
+    sequences at random boundaries (seq_idx then numbers them). noncontig: x, z, B, C and dt are
+    transposed views (seqlen not the outer-most stride) with the same values.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    b, T, h, p, G, n = batch, seqlen, nheads, headdim, ngroups, dstate
+
+    def randn(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    def rand(*s, lo=0.0, hi=1.0):
+        return torch.rand(*s, generator=g) * (hi - lo) + lo
+
+    kw = {}
+    kw["x"] = randn(b, T, h, p).to(dtype)
+    kw["dt"] = (rand(b, T, h, lo=-3.0, hi=1.0) if dt_softplus else rand(b, T, h, lo=0.001, hi=0.2))
+    kw["dt"] = kw["dt"].to(dt_dtype or dtype)
+    kw["A"] = -torch.exp(rand(h, lo=math.log(0.5), hi=math.log(8.0)))
+    kw["B"] = randn(b, T, G, n, scale=n ** -0.25).to(dtype)
+    kw["C"] = randn(b, T, G, n, scale=n ** -0.25).to(dtype)
+    kw["D"] = {None: None, "h": randn(h), "hp": randn(h, p)}[D]
+    kw["z"] = randn(b, T, h, p).to(dtype) if z else None
+    kw["dt_bias"] = rand(h, lo=-2.0, hi=0.0) if dt_bias else None
+    kw["initial_states"] = randn(b, h, p, n) if initial_states else None
+    kw["seq_idx"] = None
+    kw["cu_seqlens"] = None
+    if cu_seqlens:
+        assert b == 1
+        k = max(1, min(nseqs, T))
+        starts = [0] + sorted(rng.sample(range(1, T), k - 1))
+        kw["cu_seqlens"] = torch.tensor(starts + [T], dtype=torch.int32)
+        kw["seq_idx"] = ids_from_starts(starts, T)[None].to(torch.int32)
+    elif seq_idx:
+        rows = []
+        for _ in range(b):
+            k = rng.randint(1, max(1, min(nseqs, T)))
+            starts = [0] + sorted(rng.sample(range(1, T), k - 1))
+            first = rng.choice((0, 0, 1))  # a row may start past id 0: initial_states then never applies
+            rows.append(ids_from_starts(starts, T) + first)
+        kw["seq_idx"] = torch.stack(rows).to(torch.int32)
+    kw = {k: (v.to(device) if v is not None else None) for k, v in kw.items()}
+    if noncontig:
+        for k in ("x", "z", "B", "C", "dt"):
+            if kw[k] is not None:
+                kw[k] = kw[k].transpose(0, 1).contiguous().transpose(0, 1)
+    kw["chunk_size"] = chunk_size
+    kw["dt_softplus"] = dt_softplus
+    kw["dt_limit"] = dt_limit
+    return kw
+
+
+def ids_from_starts(starts, T):
+    out = torch.empty(T, dtype=torch.int64)
+    for k, s in enumerate(starts):
+        out[s:(starts[k + 1] if k + 1 < len(starts) else T)] = k
+    return out
+
+
+def reference_forward(case, return_varlen=False):
+    """The reference chain on the same inputs: (y, final_states, varlen_states, intermediates dict)."""
+    dt_min, dt_max = case["dt_limit"]
+    dt_out, cs = ref.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["chunk_size"], case["dt_softplus"],
+                                  float(dt_min), float(dt_max))
+    states, final, varlen = ref.fwd_pass_state(case["x"], case["B"], dt_out, cs, case["initial_states"],
+                                               case["seq_idx"], case["cu_seqlens"] if return_varlen else None)
+    y = ref.compute_out(case["x"], dt_out, cs, case["C"], case["B"], states, case["D"], case["z"], case["seq_idx"])
+    return y, final, varlen, dict(dt_out=dt_out, dA_cumsum=cs, states=states)
+
+
+def public_call(case, return_final_states=True, return_varlen_states=False):
+    from m2ops import mamba_chunk_scan_combined
+    return mamba_chunk_scan_combined(**case, return_final_states=return_final_states,
+                                     return_varlen_states=return_varlen_states)
