@@ -27,21 +27,22 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
 
 
 def _like(t, ref):
-    """Gradient of an optional input: its shape, or an empty tensor when the input is absent."""
+    """Gradient of an optional input: its shape, or an empty tensor like ref (the first cotangent, as
+    reference_vjp makes it) when the input is absent."""
     return ref.new_empty((0,)) if t is None else t.new_empty(t.shape)
 
 
 def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    return dt.new_empty(dt.shape), A.new_empty(A.shape), _like(dt_bias, A)
+    return dt.new_empty(dt.shape), A.new_empty(A.shape), _like(dt_bias, g_dt_out)
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
                        cu_seqlens):
     return (x.new_empty(x.shape), B.new_empty(B.shape), dt_out.new_empty(dt_out.shape),
-            dA_cumsum.new_empty(dA_cumsum.shape), _like(initial_states, dt_out))
+            dA_cumsum.new_empty(dA_cumsum.shape), _like(initial_states, g_states))
 
 
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return (x.new_empty(x.shape), dt_out.new_empty(dt_out.shape), dA_cumsum.new_empty(dA_cumsum.shape),
-            C.new_empty(C.shape), B.new_empty(B.shape), states.new_empty(states.shape), _like(D, x),
-            _like(z, x))
+            C.new_empty(C.shape), B.new_empty(B.shape), states.new_empty(states.shape), _like(D, g_y),
+            _like(z, g_y))

@@ -7,7 +7,6 @@ it runs in eager mode only (see should_check_values).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -70,7 +69,7 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
 
     if D is not None:
         _tensor("D", D, FLOAT_DTYPES, "floating")
-        if tuple(D.shape) not in ((h,), (h, p)):
+        if not (tuple(D.shape) == (h,) or tuple(D.shape) == (h, p)):  # not `in`: dynamo gets it wrong on SymInts
             _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
                   tuple(D.shape))
     if z is not None:
@@ -92,9 +91,6 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
                   tuple(cu_seqlens.shape))
         if b != 1:
             _fail(ValueError, "x", "of batch 1 when cu_seqlens packs sequences along seqlen", f"batch {b}")
-    if return_varlen_states and cu_seqlens is None:
-        _fail(ValueError, "cu_seqlens", "given when return_varlen_states=True", None)
-
     for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias),
                     ("initial_states", initial_states), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
         if t is not None:
@@ -106,11 +102,13 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
                        ("return_varlen_states", return_varlen_states)):
         if not isinstance(flag, bool):
             _fail(TypeError, name, "a bool", type(flag).__name__)
+    if return_varlen_states and cu_seqlens is None:  # after the type check: a non-bool flag is a TypeError
+        _fail(ValueError, "cu_seqlens", "given when return_varlen_states=True", None)
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
         _fail(TypeError, "dt_limit", "a pair of floats (dt_min, dt_max)", dt_limit)
     lo, hi = dt_limit
-    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+    if not lo <= hi:  # also catches NaN; math.isnan breaks the graph on dynamo's symbolic floats
         _fail(ValueError, "dt_limit", "(dt_min, dt_max) with dt_min <= dt_max", dt_limit)
 
 

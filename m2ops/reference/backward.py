@@ -11,6 +11,21 @@ from typing import Callable, Sequence
 import torch
 
 
+_FUNCTORCH_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchGradWrapper", "FuncTorchBatched",
+    "FuncTorchVmapMode"))
+
+
+def _functorch_enabled():
+    """A guard that un-excludes functorch's dispatch keys. When the op is called from inside a
+    TorchDispatchMode (FlopCounterMode, opcheck, torch.compile's first-call aliasing check), the dispatcher
+    excludes every key above Python, and torch.func would fail on its storage-less wrapper tensors."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _FUNCTORCH_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def reference_vjp(fn: Callable, args: Sequence, wrt: Sequence[int], cotangents):
     """Gradients of fn(*args) with respect to args[i] for i in wrt, given the output cotangents.
 
@@ -25,14 +40,16 @@ def reference_vjp(fn: Callable, args: Sequence, wrt: Sequence[int], cotangents):
             full[i] = t
         return fn(*full)
 
-    _, pullback = torch.func.vjp(f, *(args[i] for i in present))
-    got = dict(zip(present, pullback(cotangents)))
+    with _functorch_enabled():
+        primal_out, pullback = torch.func.vjp(f, *(args[i] for i in present))
+        # The cotangents must have the output's pytree structure: a bare tensor for a single-tensor output.
+        got = dict(zip(present, pullback(tuple(cotangents) if isinstance(primal_out, tuple) else cotangents[0])))
     taken = {t.untyped_storage().data_ptr() for t in (*args, *cotangents) if isinstance(t, torch.Tensor)}
     out = []
     for i in wrt:
         if i not in got:
             out.append(cotangents[0].new_empty((0,)))
             continue
-        g = got[i]
+        g = got[i].contiguous()  # the fake implementations promise contiguous gradients
         out.append(g.clone() if g.untyped_storage().data_ptr() in taken else g)
     return tuple(out)

@@ -141,4 +141,4 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
         y = y + x.to(acc) * (D.to(acc)[:, None] if D.dim() == 1 else D.to(acc))
     if z is not None:
         y = y * F.silu(z.to(acc))
-    return y.to(x.dtype)
+    return y.to(x.dtype).contiguous()  # the einsums leave a permuted layout; the fake promises contiguous

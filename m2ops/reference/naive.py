@@ -24,6 +24,9 @@ def naive_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None
     dt = dt.clamp(*dt_limit)
     heads_of = torch.arange(h) // (h // g)  # group read by each head
     state = initial_states.to("cpu", f).clone() if initial_states is not None else x.new_zeros(b, h, p, n)
+    if seq_idx is None and cu_seqlens is not None:  # like the public function: cu_seqlens alone restarts too
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
     owner = torch.zeros(b, dtype=torch.long)  # seq_idx the state belongs to; s_{-1} belongs to 0
     ends = set(int(e) - 1 for e in cu_seqlens[1:]) if cu_seqlens is not None else set()
     ys, seq_states = [], []

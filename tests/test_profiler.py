@@ -1,0 +1,46 @@
+"""torch.profiler shows each custom op by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import Dims, make_inputs, run_scan
+
+FORWARD = ("m2ops::chunk_cumsum", "m2ops::fwd_pass_state", "m2ops::compute_out")
+BACKWARD = ("m2ops::chunk_cumsum_bwd", "m2ops::fwd_pass_state_bwd", "m2ops::compute_out_bwd")
+
+
+def event_names(prof):
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_forward_events(varlen):
+    inputs = make_inputs(Dims(1, 40, 2, 4, 1, 8), dtype=torch.float32, D="h", cu_seqlens=varlen)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_scan(inputs, 16, return_final_states=True, return_varlen_states=varlen)
+    names = event_names(prof)
+    for name in FORWARD:
+        assert name in names, (name, sorted(n for n in names if "m2ops" in n))
+    assert not any(name in names for name in BACKWARD)
+
+
+def test_backward_events():
+    inputs = make_inputs(Dims(2, 40, 2, 4, 1, 8), dtype=torch.float32, D="hp", z=True, dt_bias=True,
+                         initial_states=True, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = run_scan(inputs, 16, dt_softplus=True)
+        y.sum().backward()
+    names = event_names(prof)
+    for name in FORWARD + BACKWARD:
+        assert name in names, (name, sorted(n for n in names if "m2ops" in n))
+
+
+def test_each_forward_op_called_once():
+    inputs = make_inputs(Dims(1, 70, 2, 4, 1, 8), dtype=torch.float32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_scan(inputs, 16)
+    counts = {name: sum(e.name == name for e in prof.events()) for name in FORWARD}
+    assert all(c == 1 for c in counts.values()), counts
