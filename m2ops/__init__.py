@@ -5,7 +5,9 @@ pure-PyTorch chunked reference everywhere else.
 """
 
 from . import ops
+from .layer import Mamba2
+from .ops.state_update import selective_state_update
 from .scan_combined import mamba_chunk_scan_combined
 
 __version__ = "0.1.0"
-__all__ = ["mamba_chunk_scan_combined", "ops", "__version__"]
+__all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "ops", "__version__"]

@@ -102,7 +102,8 @@ def main(argv=None):
         times.sort()
         ms = 1e3 * times[len(times) // 2]
         tokens = a.batch * a.seqlen / (ms / 1e3)
-        print(f"median of {a.repeats} calls: {ms:.3f} ms ({tokens / 1e6:.2f} M tokens/s)")
+        rate = f"{tokens / 1e6:.2f} M" if tokens >= 1e6 else f"{tokens / 1e3:.1f} K"
+        print(f"median of {a.repeats} calls: {ms:.3f} ms ({rate} tokens/s)")
 
     y_ref, final_ref, _ = naive_scan(**{k: v for k, v in inputs.items()})
     err = ((y.double().cpu() - y_ref).abs().max() / y_ref.abs().max()).item()

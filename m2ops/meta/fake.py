@@ -3,7 +3,7 @@ opcheck trace the ops through these."""
 
 from __future__ import annotations
 
-from .shapes import (compute_dtype, cumsum_shape, final_states_shape, states_shape,
+from .shapes import (compute_dtype, cumsum_shape, decode_state_shape, final_states_shape, states_shape,
                      varlen_states_shape)
 
 
@@ -46,3 +46,14 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return (x.new_empty(x.shape), dt_out.new_empty(dt_out.shape), dA_cumsum.new_empty(dA_cumsum.shape),
             C.new_empty(C.shape), B.new_empty(B.shape), states.new_empty(states.shape), _like(D, g_y),
             _like(z, g_y))
+
+
+def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max):
+    """(y like x, the new state in state's dtype and layout)."""
+    b, h, p = x.shape
+    return x.new_empty(x.shape), state.new_empty(decode_state_shape(b, h, p, B.shape[-1]))
+
+
+def state_update_bwd(g_y, g_state, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max):
+    return (state.new_empty(state.shape), x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape),
+            B.new_empty(B.shape), C.new_empty(C.shape), _like(D, g_y), _like(z, g_y), _like(dt_bias, g_y))

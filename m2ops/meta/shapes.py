@@ -34,3 +34,9 @@ def varlen_states_shape(cu_seqlens, nheads, headdim, dstate):
     """One final state per packed sequence; none when cu_seqlens is not given."""
     nseq = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (nseq, nheads, headdim, dstate)
+
+
+def decode_state_shape(batch, nheads, headdim, dstate):
+    """The recurrent state of one-token decoding (state_update's input and output): (batch, nheads, headdim,
+    dstate), the layout of final_states, so that a prefill's final state seeds decoding directly."""
+    return final_states_shape(batch, nheads, headdim, dstate)

@@ -16,26 +16,26 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _WHERE = "m2ops.mamba_chunk_scan_combined"
 
 
-def _fail(kind, name, expected, got):
-    raise kind(f"{_WHERE}: {name} must be {expected}; got {got}")
+def _fail(kind, name, expected, got, where=_WHERE):
+    raise kind(f"{where}: {name} must be {expected}; got {got}")
 
 
-def _tensor(name, t, dtypes, expected_kind):
+def _tensor(name, t, dtypes, expected_kind, where=_WHERE):
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__, where)
     if t.dtype not in dtypes:
         _fail(TypeError, name, f"a tensor of {expected_kind} dtype ({', '.join(str(d) for d in dtypes)})",
-              t.dtype)
+              t.dtype, where)
 
 
-def _shape(name, t, expected, desc):
+def _shape(name, t, expected, desc, where=_WHERE):
     if tuple(t.shape) != tuple(expected):
-        _fail(ValueError, name, f"of shape {desc} = {tuple(expected)}", tuple(t.shape))
+        _fail(ValueError, name, f"of shape {desc} = {tuple(expected)}", tuple(t.shape), where)
 
 
-def _device(name, t, device):
+def _device(name, t, device, where=_WHERE):
     if t.device != device:
-        _fail(ValueError, name, f"on the same device as x ({device})", t.device)
+        _fail(ValueError, name, f"on the same device as x ({device})", t.device, where)
 
 
 def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
@@ -104,12 +104,63 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
             _fail(TypeError, name, "a bool", type(flag).__name__)
     if return_varlen_states and cu_seqlens is None:  # after the type check: a non-bool flag is a TypeError
         _fail(ValueError, "cu_seqlens", "given when return_varlen_states=True", None)
+    _check_dt_limit(dt_limit)
+
+
+def _check_dt_limit(dt_limit, where=_WHERE):
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
-        _fail(TypeError, "dt_limit", "a pair of floats (dt_min, dt_max)", dt_limit)
+        _fail(TypeError, "dt_limit", "a pair of floats (dt_min, dt_max)", dt_limit, where)
     lo, hi = dt_limit
     if not lo <= hi:  # also catches NaN; math.isnan breaks the graph on dynamo's symbolic floats
-        _fail(ValueError, "dt_limit", "(dt_min, dt_max) with dt_min <= dt_max", dt_limit)
+        _fail(ValueError, "dt_limit", "(dt_min, dt_max) with dt_min <= dt_max", dt_limit, where)
+
+
+_WHERE_DECODE = "m2ops.selective_state_update"
+
+
+def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """The one-token update's rules (Mamba-2 shapes, one dt and one A per head); errors name the argument."""
+    w = _WHERE_DECODE
+    _tensor("x", x, FLOAT_DTYPES, "floating", w)
+    if x.dim() != 3:
+        _fail(ValueError, "x", "3-dimensional (batch, nheads, headdim)", tuple(x.shape), w)
+    b, h, p = x.shape
+    if b < 1 or h < 1 or p < 1:
+        _fail(ValueError, "x", "non-empty in every dimension (batch, nheads, headdim)", tuple(x.shape), w)
+    _tensor("B", B, FLOAT_DTYPES, "floating", w)
+    if B.dim() != 3 or B.shape[0] != b:
+        _fail(ValueError, "B", f"of shape (batch, ngroups, dstate) = ({b}, ngroups, dstate)", tuple(B.shape), w)
+    g, n = B.shape[1], B.shape[2]
+    if g < 1 or n < 1 or h % g != 0:
+        _fail(ValueError, "B", f"of shape (batch, ngroups, dstate) with ngroups dividing nheads={h} and "
+              "dstate >= 1", tuple(B.shape), w)
+    _tensor("C", C, FLOAT_DTYPES, "floating", w)
+    _shape("C", C, (b, g, n), "(batch, ngroups, dstate) like B", w)
+    _tensor("state", state, FLOAT_DTYPES, "floating", w)
+    _shape("state", state, (b, h, p, n), "(batch, nheads, headdim, dstate)", w)
+    _tensor("dt", dt, FLOAT_DTYPES, "floating", w)
+    _shape("dt", dt, (b, h), "(batch, nheads)", w)
+    _tensor("A", A, FLOAT_DTYPES, "floating", w)
+    _shape("A", A, (h,), "(nheads,)", w)
+    if D is not None:
+        _tensor("D", D, FLOAT_DTYPES, "floating", w)
+        if not (tuple(D.shape) == (h,) or tuple(D.shape) == (h, p)):
+            _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
+                  tuple(D.shape), w)
+    if z is not None:
+        _tensor("z", z, FLOAT_DTYPES, "floating", w)
+        _shape("z", z, (b, h, p), "(batch, nheads, headdim) like x", w)
+    if dt_bias is not None:
+        _tensor("dt_bias", dt_bias, FLOAT_DTYPES, "floating", w)
+        _shape("dt_bias", dt_bias, (h,), "(nheads,)", w)
+    for name, t in (("state", state), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                    ("dt_bias", dt_bias)):
+        if t is not None:
+            _device(name, t, x.device, w)
+    if not isinstance(dt_softplus, bool):
+        _fail(TypeError, "dt_softplus", "a bool", type(dt_softplus).__name__, w)
+    _check_dt_limit(dt_limit, w)
 
 
 def should_check_values(*tensors) -> bool:

@@ -40,13 +40,23 @@ def use_kernels(device) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_no_kernel(name: str):
+    warnings.warn(f"m2ops: op {name} has no cuTile kernel yet; running the PyTorch reference on CUDA",
+                  RuntimeWarning, stacklevel=3)
+
+
 def cuda_impl(name: str, reference):
-    """The CUDA implementation of op `name`: m2ops.kernels.<name> when usable, else the reference."""
+    """The CUDA implementation of op `name`: m2ops.kernels.<name> when usable, else the reference (also
+    when m2ops.kernels has no function of that name yet: ops may land before their kernels)."""
     def impl(*args):
         device = next(a.device for a in args if hasattr(a, "device"))
         if use_kernels(device):
             from .. import kernels
-            return getattr(kernels, name)(*args)
+            kernel = getattr(kernels, name, None)
+            if kernel is not None:
+                return kernel(*args)
+            _warn_no_kernel(name)
         return reference(*args)
     impl.__name__ = f"{name}_cuda"
     return impl

@@ -1,0 +1,322 @@
+"""m2ops.Mamba2: a Mamba-2 mixer layer whose scan runs on the m2ops ops.
+
+Parameters and their names, shapes and initialisation follow mamba_ssm 2.3.2's `Mamba2` module, so a state
+dict saved from it loads unchanged:
+
+    in_proj.weight   (2*d_inner + 2*ngroups*d_state + nheads, d_model)   output order z, x, B, C, dt
+    conv1d.weight    (conv_dim, 1, d_conv), conv1d.bias (conv_dim,)      conv_dim = d_ssm + 2*ngroups*d_state
+    dt_bias, A_log   (nheads,)
+    D                (nheads,), or (d_ssm,) with D_has_hdim
+    norm.weight      (d_ssm,)                                            gated RMSNorm, with rmsnorm=True
+    out_proj.weight  (d_model, d_inner)
+
+What differs from mamba_ssm, on purpose:
+- The causal convolution is plain PyTorch (F.conv1d) and does restart at sequence boundaries (seq_idx, or
+  cu_seqlens): a tap never reads a token of another packed sequence, as causal_conv1d does with seq_idx.
+- Decoding is functional: `step` returns new caches instead of writing them, and there is no
+  inference_params; `forward(..., return_final_states=True)` returns the caches after a prompt instead.
+- `step` applies dt_limit like `forward` does (mamba_ssm's step ignores it), so prefill + decode equals one
+  forward over the whole sequence.
+- No tensor/sequence parallelism (process_group must be None); use_mem_eff_path is accepted and ignored
+  (there is no fused split-conv-scan kernel: in_proj, conv, scan, norm and out_proj run one after another).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from .meta.shapes import compute_dtype
+from .meta.validate import FLOAT_DTYPES, seq_idx_from_cu_seqlens
+from .scan_combined import mamba_chunk_scan_combined
+
+
+def _fail(where, kind, name, expected, got):
+    raise kind(f"m2ops.Mamba2.{where}: {name} must be {expected}; got {got}")
+
+
+def _check_shape(where, name, t, expected, desc):
+    if not isinstance(t, torch.Tensor):
+        _fail(where, TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(where, TypeError, name, "a floating-point tensor", t.dtype)
+    if tuple(t.shape) != tuple(expected):
+        _fail(where, ValueError, name, f"of shape {desc} = {tuple(expected)}", tuple(t.shape))
+
+
+def _check_tensor(where, name, t, ndim, desc):
+    if not isinstance(t, torch.Tensor):
+        _fail(where, TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(where, TypeError, name, "a floating-point tensor", t.dtype)
+    if t.dim() != ndim:
+        _fail(where, ValueError, name, f"{ndim}-dimensional {desc}", tuple(t.shape))
+
+
+def causal_conv1d(x, weight, bias=None, seq_idx=None, history=None):
+    """Depthwise causal convolution, before the activation.
+
+    x (batch, channels, seqlen); weight (channels, width); bias (channels,) or None; history (batch, channels,
+    width - 1): the inputs just before x (zeros when None). With seq_idx (batch, seqlen) a tap that would read
+    a token of another sequence reads zero instead, i.e. the convolution restarts at every change of id; the
+    history counts as sequence id 0 (as the scan's initial_states does).
+    """
+    width = weight.shape[-1]
+    if history is None:
+        xp = F.pad(x, (width - 1, 0))
+    else:
+        xp = torch.cat([history.to(x.dtype), x], dim=-1)
+    if seq_idx is None:
+        return F.conv1d(xp, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype),
+                        groups=x.shape[1])
+    # Few taps (d_conv is 2-4): one masked multiply-add per tap is simpler than any segmented convolution.
+    L = x.shape[-1]
+    ids = torch.cat([seq_idx.new_zeros(seq_idx.shape[0], width - 1), seq_idx], dim=1)
+    w = weight.to(x.dtype)
+    out = None
+    for k in range(width):
+        same = (ids[:, k:k + L] == seq_idx).unsqueeze(1)
+        tap = xp[..., k:k + L] * w[:, k, None] * same
+        out = tap if out is None else out + tap
+    if bias is not None:
+        out = out + bias.to(x.dtype)[:, None]
+    return out
+
+
+def final_conv_state(x, width, history=None, seq_idx=None, cu_seqlens=None):
+    """The last `width` convolution inputs before the end of each sequence: the conv cache after a prompt.
+
+    x (batch, channels, seqlen) are the convolution's inputs, history (batch, channels, width) the cache the
+    prompt continued from (zeros when None). Returns (batch, channels, width), or with cu_seqlens one cache per
+    packed sequence, (num_sequences, channels, width). Entries that belong to an earlier sequence are zero.
+    """
+    b, c, L = x.shape
+    hist = x.new_zeros(b, c, width) if history is None else history.to(x.dtype)
+    full = torch.cat([hist, x], dim=-1)  # token t sits at index t + width
+    if cu_seqlens is not None:
+        starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+        pos = ends[:, None] - width + torch.arange(width, device=x.device)  # (nseq, width) token positions
+        # Sequence 0 owns the history, as it owns the scan's initial_states.
+        valid = (pos >= starts[:, None]) | (starts[:, None] == 0)
+        return full[0][:, pos + width].permute(1, 0, 2) * valid[:, None, :].to(x.dtype)
+    st = full[..., -width:]
+    if seq_idx is None:
+        return st
+    ids = torch.cat([seq_idx.new_zeros(b, width), seq_idx], dim=1)[:, -width:]
+    return st * (ids == seq_idx[:, -1:]).unsqueeze(1).to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm with a silu(z) gate, per group of `group_size` channels, computed in float32 or float64 (mamba_ssm's
+    layernorm_gated.RMSNorm semantics: gate before the norm unless norm_before_gate)."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.group_size = hidden_size if group_size is None else group_size
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x, z=None):
+        acc = compute_dtype(x.dtype)
+        h = x.to(acc)
+        if z is not None and not self.norm_before_gate:
+            h = h * F.silu(z.to(acc))
+        g = h.unflatten(-1, (-1, self.group_size))
+        h = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight.to(acc)
+        if z is not None and self.norm_before_gate:
+            h = h * F.silu(z.to(acc))
+        return h.to(x.dtype)
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 mixer (mamba_ssm.modules.mamba2.Mamba2's parameters and arguments) on m2ops.
+
+    forward(u) maps (batch, seqlen, d_model) to the same shape; with return_final_states=True it also returns
+    the decoding caches (conv_state, ssm_state), which `step` then advances one token at a time.
+    """
+
+    def __init__(self, d_model, d_state=128, d_conv=4, conv_init=None, expand=2, headdim=64, d_ssm=None,
+                 ngroups=1, A_init_range=(1, 16), D_has_hdim=False, rmsnorm=True, norm_before_gate=False,
+                 dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), bias=False,
+                 conv_bias=True, chunk_size=256, use_mem_eff_path=True, layer_idx=None, process_group=None,
+                 sequence_parallel=True, device=None, dtype=None):
+        super().__init__()
+        if process_group is not None:
+            raise ValueError("m2ops.Mamba2: process_group must be None (tensor parallelism is not supported)")
+        factory = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
+        self.conv_init = conv_init
+        self.d_inner = expand * d_model
+        self.headdim = headdim
+        self.d_ssm = self.d_inner if d_ssm is None else d_ssm
+        if self.d_ssm % headdim != 0:
+            raise ValueError(f"m2ops.Mamba2: headdim={headdim} must divide d_ssm={self.d_ssm}")
+        self.nheads = self.d_ssm // headdim
+        if ngroups < 1 or self.nheads % ngroups != 0:
+            raise ValueError(f"m2ops.Mamba2: ngroups={ngroups} must divide nheads={self.nheads}")
+        self.ngroups = ngroups
+        self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.activation = "silu"
+        self.chunk_size = chunk_size
+        self.use_mem_eff_path = use_mem_eff_path  # accepted for call compatibility; nothing is fused here
+        self.layer_idx = layer_idx
+
+        d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
+        self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **factory)
+        self.conv_dim = self.d_ssm + 2 * ngroups * d_state
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=d_conv, groups=self.conv_dim,
+                                padding=d_conv - 1, bias=conv_bias, **factory)
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        self.act = nn.SiLU()
+
+        # dt_bias = softplus^-1(dt) for dt log-uniform in [dt_min, dt_max], floored: the initial step sizes.
+        dt = torch.exp(torch.rand(self.nheads, **factory) * (math.log(dt_max) - math.log(dt_min))
+                       + math.log(dt_min)).clamp(min=dt_init_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        if not (A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]):
+            raise ValueError(f"m2ops.Mamba2: A_init_range must be (lo, hi) with 0 < lo <= hi; got {A_init_range}")
+        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*A_init_range)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype=dtype))
+        # D stays float32 whatever `dtype` is, as in mamba_ssm.
+        self.D = nn.Parameter(torch.ones(self.d_ssm if D_has_hdim else self.nheads, device=device))
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        if rmsnorm:
+            self.norm = RMSNormGated(self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate,
+                                     group_size=self.d_ssm // ngroups, **factory)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+
+    # -----------------------------------------------------------------------------------------------------
+    # pieces shared by forward and step
+    # -----------------------------------------------------------------------------------------------------
+
+    def _split(self, zxbcdt):
+        d_mlp = self.d_inner - self.d_ssm
+        return torch.split(zxbcdt, [d_mlp, d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
+
+    def _A(self):
+        # In float32 at least: exp of a half-precision A_log can overflow (float64 stays float64).
+        return -torch.exp(self.A_log.to(compute_dtype(self.A_log.dtype)))
+
+    def _D(self):
+        return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D
+
+    def _finish(self, y, z, z0, x0):
+        """Gated norm (the gate z goes into the norm, not the scan, with rmsnorm), MLP part, out_proj."""
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        if z0.shape[-1] > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return self.out_proj(y)
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, cache=None, return_final_states=False):
+        """u (batch, seqlen, d_model) -> (batch, seqlen, d_model); with `seqlen`, u is (batch * seqlen, d_model)
+        and so is the output.
+
+        seq_idx (batch, seqlen) / cu_seqlens (num_sequences + 1,) pack several sequences along seqlen: the
+        convolution and the scan restart at each boundary. cache: optional (conv_state, ssm_state) to continue
+        from (a previous prompt's caches). return_final_states: also return (conv_state, ssm_state) after the
+        last token, per packed sequence with cu_seqlens: (num_sequences, conv_dim, d_conv) and
+        (num_sequences, nheads, headdim, d_state).
+        """
+        _check_tensor("forward", "u", u, 3 if seqlen is None else 2,
+                      "(batch, seqlen, d_model)" if seqlen is None else "(batch * seqlen, d_model)")
+        if u.shape[-1] != self.d_model:
+            _fail("forward", ValueError, "u", f"of last dimension d_model={self.d_model}", tuple(u.shape))
+        if seqlen is not None:
+            u = u.reshape(-1, seqlen, self.d_model)
+        batch, L, _ = u.shape
+        if seq_idx is not None:  # checked before the convolution reads it; the scan checks it again
+            if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point():
+                _fail("forward", TypeError, "seq_idx", "an integer tensor",
+                      getattr(seq_idx, "dtype", type(seq_idx).__name__))
+            if tuple(seq_idx.shape) != (batch, L):
+                _fail("forward", ValueError, "seq_idx", f"an integer tensor of shape (batch, seqlen) = ({batch}, {L})",
+                      tuple(seq_idx.shape))
+        conv_cache = ssm_cache = None
+        if cache is not None:
+            conv_cache, ssm_cache = cache
+            _check_shape("forward", "cache[0] (conv_state)", conv_cache, (batch, self.conv_dim, self.d_conv),
+                         "(batch, conv_dim, d_conv)")
+            _check_shape("forward", "cache[1] (ssm_state)", ssm_cache,
+                         (batch, self.nheads, self.headdim, self.d_state), "(batch, nheads, headdim, d_state)")
+
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))
+        conv_ids = seq_idx
+        if conv_ids is None and cu_seqlens is not None:
+            conv_ids = seq_idx_from_cu_seqlens(cu_seqlens, L)
+        xBC_t = xBC.transpose(1, 2)
+        history = None if conv_cache is None else conv_cache[:, :, 1:]
+        xBC = self.act(causal_conv1d(xBC_t, self.conv1d.weight[:, 0], self.conv1d.bias, conv_ids, history))
+        x, B, C = torch.split(xBC.transpose(1, 2), [self.d_ssm, self.ngroups * self.d_state,
+                                                    self.ngroups * self.d_state], dim=-1)
+        A = self._A()
+        want_varlen = return_final_states and cu_seqlens is not None
+        res = mamba_chunk_scan_combined(
+            x.unflatten(-1, (self.nheads, self.headdim)), dt, A,
+            B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)),
+            chunk_size=self.chunk_size, D=self._D(),
+            z=None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)),
+            dt_bias=self.dt_bias, initial_states=ssm_cache, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+            dt_softplus=True, dt_limit=self.dt_limit, return_final_states=return_final_states and not want_varlen,
+            return_varlen_states=want_varlen)
+        y = res[0] if return_final_states else res
+        out = self._finish(y.flatten(-2), z, z0, x0)
+        if seqlen is not None:
+            out = out.flatten(0, 1)
+        if not return_final_states:
+            return out
+        conv_state = final_conv_state(xBC_t, self.d_conv, conv_cache, conv_ids, cu_seqlens if want_varlen else None)
+        return out, conv_state, res[1]
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """One token: hidden_states (batch, 1, d_model), caches from allocate_inference_cache or a prompt's
+        forward(..., return_final_states=True) -> (out (batch, 1, d_model), new conv_state, new ssm_state).
+        Functional: the caches passed in are not modified."""
+        _check_tensor("step", "hidden_states", hidden_states, 3, "(batch, 1, d_model)")
+        _check_shape("step", "hidden_states", hidden_states, (hidden_states.shape[0], 1, self.d_model),
+                     "(batch, 1, d_model)")
+        b = hidden_states.shape[0]
+        _check_shape("step", "conv_state", conv_state, (b, self.conv_dim, self.d_conv), "(batch, conv_dim, d_conv)")
+        _check_shape("step", "ssm_state", ssm_state, (b, self.nheads, self.headdim, self.d_state),
+                     "(batch, nheads, headdim, d_state)")
+        dtype = hidden_states.dtype
+        z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states[:, 0]))
+        conv_state = torch.cat([conv_state[:, :, 1:], xBC.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+        xBC = (conv_state * self.conv1d.weight[:, 0].to(conv_state.dtype)).sum(-1)
+        if self.conv1d.bias is not None:
+            xBC = xBC + self.conv1d.bias.to(conv_state.dtype)
+        xBC = self.act(xBC).to(dtype)
+        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        A = self._A()
+        y, ssm_state = ops.state_update(
+            ssm_state, x.unflatten(-1, (self.nheads, self.headdim)), dt, A,
+            B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)),
+            self._D(), None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), self.dt_bias,
+            True, self.dt_limit[0], self.dt_limit[1])
+        out = self._finish(y.flatten(-2), z, z0, x0)
+        return out.unsqueeze(1), conv_state, ssm_state
+
+    def allocate_inference_cache(self, batch_size, max_seqlen=None, dtype=None, **kwargs):
+        """Zero caches for `step`: conv_state (batch, conv_dim, d_conv) in the conv weight's dtype (or dtype),
+        ssm_state (batch, nheads, headdim, d_state) in float32 (float64 for a float64 dtype): the scan's state
+        dtype, so a prompt's final state and the decoding state agree. max_seqlen is unused (the caches do
+        not grow)."""
+        device = self.out_proj.weight.device
+        conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
+        conv_state = torch.zeros(batch_size, self.conv_dim, self.d_conv, device=device, dtype=conv_dtype)
+        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device,
+                                dtype=compute_dtype(conv_dtype))
+        return conv_state, ssm_state
+
+
+__all__ = ["Mamba2", "RMSNormGated", "causal_conv1d", "final_conv_state"]
