@@ -1,9 +1,12 @@
 """cuTile kernels of the three forward ops, behind launchers with the reference functions' signatures.
 
     chunk_cumsum.py    chunk_cumsum_kernel    dt preprocessing, within-chunk cumsum of dt*A
-    fwd_pass_state.py  fwd_pass_state_kernel  chunk-entering and final states (sequential over chunks)
+    chunk_state.py     chunk_state_kernel     each chunk's local state from zero (parallel over chunks)  } the
+    state_passing.py   state_passing_kernel   chunk-entering and final states, in place (sequential  } fwd_pass_state
+                                              over chunks, parallel over blocks of the state)        } op
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
-    compute_out.py     compute_out_kernel     y, with D and z fused
+    chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks)  } the
+    compute_out.py     compute_out_kernel     y, with D and z fused                                  } compute_out op
     launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)

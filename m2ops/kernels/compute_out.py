@@ -1,17 +1,19 @@
 """compute_out kernel: y from each chunk's entering state and the chunk's own tokens, with D and z fused.
 
 One program per (block of BL rows of one chunk, head, headdim tile of TP, batch row), blocks of all heads
-of a row block next to each other so that heads of one group share B and C in L2. For its rows i it forms
-in registers:
+of a row block next to each other so that heads of one group share C and the C . B^T blocks in L2. For its
+rows i it forms in registers:
 
     acc  = exp(cs_i) * C_i . S^T                          inter-chunk: (BL, N) x (N, TP), N in TN steps
     acc += sum over column blocks j <= i of
-           (C_i . B_j^T  *  exp(cs_i - cs_j) * dt_j  masked to j <= i, same sequence)  x  x_j
+           (CB_ij  *  exp(cs_i - cs_j) * dt_j  masked to j <= i, same sequence)  x  x_j
     y    = (acc + D * x_i) * silu(z_i)
 
-Nothing but y is written. C . B^T is recomputed per headdim tile (once when headdim <= TP). The inter-chunk
-product runs in tf32 (states are float32; tf32 keeps their range where float16 would not); the intra-chunk
-products run in the input dtype (float32 mma for float32 inputs), accumulating in float32.
+CB_ij = C_i . B_j^T comes from the float32 scratch chunk_cb.py writes once per (chunk, group): the same
+values this kernel used to form itself for every head and headdim tile, so results are unchanged while the
+intra-chunk loop is now load CB, x_j -> one mma per column block. Nothing but y is written. The
+inter-chunk product runs in tf32 (states are float32; tf32 keeps their range where float16 would not); the
+intra-chunk product runs in the input dtype (float32 mma for float32 inputs), accumulating in float32.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _ZERO = ct.PaddingMode.ZERO
 
 
 @ct.kernel
-def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, D, z: Big,
+def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                        seq_idx: Big, y: Big,
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
@@ -63,12 +65,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, B: Big, stat
 
     # Intra-chunk term: column blocks up to and including the diagonal one.
     for jb in range(m + 1):
-        cb = ct.zeros((BL, BL), dtype=ct.float32)
         jrow = c * blocks_per_chunk + jb
-        for k in range(n_ntiles):
-            ci = ct.load(C, (b, rb, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-            bj = ct.load(B, (b, jrow, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-            cb = ct.mma(ci.astype(mma_dtype), ct.transpose(bj.astype(mma_dtype)), cb)
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
         cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL)).reshape((BL,))
         dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL)).reshape((BL,))
         cols = jb * BL + ct.arange(BL, dtype=ct.int32)
@@ -78,7 +76,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, B: Big, stat
             keep = keep & (seq_i[:, None] == seq_j[None, :])
         # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
         decay = ct.exp(ct.where(keep, cs_i[:, None] - cs_j[None, :], -float("inf")))
-        wgt = cb * decay * dt_j[None, :]
+        wgt = cbt * decay * dt_j[None, :]
         xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
 

@@ -18,16 +18,21 @@ one copy of a small or rare tensor:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import cuda.tile as ct
 
 from ..meta.shapes import cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
+from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .common import TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
+from .chunk_state import chunk_state_kernel
+from .common import (STATE_BLOCKS, STATE_LOAD_LATENCY, STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv,
+                     sub_block, supported_chunk_size)
 from .compute_out import compute_out_kernel
-from .fwd_pass_state import fwd_pass_state_kernel
+from .state_passing import state_passing_kernel
 from .varlen_states import varlen_states_kernel
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,8 +44,85 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-def fwd_pass_state_constants(chunk_size: int, has_seq: bool) -> dict:
+def chunk_state_constants(chunk_size: int, has_seq: bool) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+
+
+def state_passing_constants(block: int, has_seq: bool) -> dict:
+    return dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY)
+
+
+# None: state_passing_block's choice; an element of STATE_BLOCKS: that block (tests/gpu/check_kernels.py
+# --profile sweeps it).
+STATE_BLOCK_OVERRIDE = None
+
+
+def state_passing_block(batch: int, nheads: int, state_elems: int, device) -> int:
+    """The largest block of STATE_BLOCKS that gives at least STATE_PROGRAMS_PER_SM programs per SM (the
+    smallest block when none does): bigger blocks mean fewer, longer loads per program, smaller ones more
+    programs to hide each chunk's load latency behind. 1024 at B=1, H=80, P=64, N=128 on 132 SMs
+    (640 programs); 2048 at N=256."""
+    if STATE_BLOCK_OVERRIDE is not None:
+        return STATE_BLOCK_OVERRIDE
+    sms = _sm_count(device)
+    for blk in sorted(STATE_BLOCKS, reverse=True):
+        if batch * nheads * cdiv(state_elems, blk) >= STATE_PROGRAMS_PER_SM * sms:
+            return blk
+    return min(STATE_BLOCKS)
+
+
+def chunk_cb_constants(chunk_size: int) -> dict:
+    return dict(L=chunk_size, BL=sub_block(chunk_size), TN=TILE_N)
+
+
+# Compiler hints (ct.kernel occupancy = CTAs per SM the register allocation aims for) per (kernel, input
+# dtype class, chunk size). First chosen from tileiras 13.4's sm_90 resource report (compute_out bf16 L=64:
+# 201 -> 168 registers, 2 -> 3 CTAs; chunk_state bf16 L=256: 254 -> 168), then set from timings on an H200
+# (tests/gpu/check_kernels.py --profile, B=1 H=80 P=64 bf16, op ms without -> with the hint):
+#   compute_out L=128: 1.168 -> 0.617 (T=16K N=128), 4.863 -> 2.914 (T=64K N=256), despite small spills
+#   compute_out L=256: 1.131 -> 0.733, 5.228 -> 3.378;  L=64: 1.234 -> 0.697, 5.488 -> 3.309
+#   chunk_state L=64 (whole state pass): 1.083 -> 0.903, 7.645 -> 6.877;  L=256: 0.494 -> 0.460
+# float32 kernels have no entry (the cap spills kilobytes per thread; untimed).
+# Not searched through autotune.py: each candidate hint is a separate compile (seconds each, too slow for a
+# first call), and state_passing runs in place, so a timed candidate would overwrite its own input.
+_OCCUPANCY = {
+    ("compute_out", "16bit", 32): 3,
+    ("compute_out", "16bit", 64): 3,
+    ("compute_out", "16bit", 128): 3,
+    ("compute_out", "16bit", 256): 3,
+    ("chunk_state", "16bit", 64): 3,
+    ("chunk_state", "16bit", 128): 3,
+    ("chunk_state", "16bit", 256): 3,
+}
+# kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
+HINT_OVERRIDE: dict = {}
+
+
+def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
+    """The ct.kernel hints the launcher uses for a kernel at an input dtype ("float16", "bfloat16",
+    "float32") and chunk size: {} or {"occupancy": k}."""
+    if kernel_name in HINT_OVERRIDE:
+        return dict(HINT_OVERRIDE[kernel_name])
+    dclass = "16bit" if dtype in ("float16", "bfloat16") else dtype
+    occ = _OCCUPANCY.get((kernel_name, dclass, chunk_size))
+    return {} if occ is None else {"occupancy": occ}
+
+
+_KERNEL_OBJECTS = {
+    "chunk_state": chunk_state_kernel,
+    "compute_out": compute_out_kernel,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _hinted(kernel_name: str, hints: tuple):
+    """The kernel object compiled with hints (one object, hence one JIT cache, per distinct hints)."""
+    k = _KERNEL_OBJECTS[kernel_name]
+    return k.replace_hints(**dict(hints)) if hints else k
+
+
+def hinted_kernel(kernel_name: str, dtype: str, chunk_size: int):
+    return _hinted(kernel_name, tuple(sorted(kernel_hints(kernel_name, dtype, chunk_size).items())))
 
 
 def varlen_states_constants(chunk_size: int) -> dict:
@@ -71,6 +153,20 @@ def _dummy(ref_tensor, dtype, ndim):
 
 def _kernel_dtype(*tensors) -> bool:
     return all(t.dtype in _KERNEL_DTYPES for t in tensors if t is not None)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _launch(grid, kernel, args):
@@ -120,15 +216,28 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
 
     states = torch.empty(states_shape(b, nchunks, h, p, n), dtype=torch.float32, device=dev)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
-    init = (_as(initial_states, torch.float32) if initial_states is not None
-            else _dummy(x, torch.float32, 4))
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    has_seq = seq_idx is not None
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    k = fwd_pass_state_constants(L, seq_idx is not None)
-    _launch((h * n_ptiles * n_ntiles, b, 1), fwd_pass_state_kernel,
-            (xk, Bk, dtk, csk, init, seq, states, final_states,
-             T, nchunks, h, h // g, n_ntiles, n_ptiles, int(initial_states is not None),
+
+    # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
+    k = chunk_state_constants(L, has_seq)
+    _launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
+            (xk, Bk, dtk, csk, seq, states,
+             T, h, h // g, n_ntiles, n_ptiles,
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+
+    # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
+    pn = p * n
+    blk = state_passing_block(b, h, pn, dev)
+    n_blocks = cdiv(pn, blk)
+    init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
+            else _dummy(x, torch.float32, 3))
+    ks = state_passing_constants(blk, has_seq)
+    _launch((h * n_blocks, b, 1), state_passing_kernel,
+            (states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
+             T, nchunks, n_blocks, int(initial_states is not None), L,
+             ks["BLK"], ks["HAS_SEQ"], ks["LAT"]))
 
     varlen = torch.empty(varlen_states_shape(cu_seqlens, h, p, n), dtype=torch.float32, device=dev)
     if cu_seqlens is not None:
@@ -159,10 +268,17 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
     BL = sub_block(L)
+    n_rblocks = cdiv(T, BL)
+
+    # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
+    cb = torch.empty((b, num_chunks(T, L), g, L, L), dtype=torch.float32, device=dev)
+    kc = chunk_cb_constants(L)
+    _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
+
     n_ptiles = cdiv(p, TILE_P)
     k = compute_out_constants(L, seq_idx is not None)
-    _launch((cdiv(T, BL) * h * n_ptiles, b, 1), compute_out_kernel,
-            (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, Bk,
+    _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
+            (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
              _as(states, torch.float32), Dk, zk, seq, y,
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))

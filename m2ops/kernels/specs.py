@@ -7,7 +7,10 @@ inputs so that only these combinations occur: all activations in one dtype (floa
 the chunk intermediates, states, A, dt_bias, D and initial_states in float32, seq_idx and cu_seqlens in
 int32. Flags that only select a branch outside the inner loops (dt_bias, softplus, initial_states, D, z) are
 run-time arguments and do not multiply the specialisations; seq_idx, which masks inside the inner loops,
-is a constant (HAS_SEQ).
+is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block size / chunk size: the former
+reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
+Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
+Spec, so the compile test builds exactly the objects the launchers launch.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
 actual strides and alignment, as it does for any kernel.
@@ -21,10 +24,12 @@ import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
 from . import launch
+from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .common import CHUNK_SIZES, INPUT_DTYPES
+from .chunk_state import chunk_state_kernel
+from .common import CHUNK_SIZES, INPUT_DTYPES, STATE_BLOCKS
 from .compute_out import compute_out_kernel
-from .fwd_pass_state import fwd_pass_state_kernel
+from .state_passing import state_passing_kernel
 from .varlen_states import varlen_states_kernel
 
 F32, I32 = "float32", "int32"
@@ -37,14 +42,18 @@ class Spec:
     constants: dict = field(hash=False)
     # Run-time parameters in order: ("array", dtype, ndim) or ("int",) / ("float",).
     params: tuple = field(hash=False)
+    # ct.kernel hints the launcher compiles this specialisation with (launch.kernel_hints), as items.
+    hints: tuple = ()
 
     @property
     def kernel(self):
+        if self.hints:
+            return launch._hinted(self.kernel_name, self.hints)
         return _KERNELS[self.kernel_name]
 
     @property
     def name(self) -> str:
-        consts = ",".join(f"{k}={v}" for k, v in self.constants.items())
+        consts = ",".join(f"{k}={v}" for k, v in (*self.constants.items(), *self.hints))
         return f"{self.kernel_name}[{self.dtype},{consts}]"
 
     def signature(self) -> KernelSignature:
@@ -53,8 +62,10 @@ class Spec:
 
 _KERNELS = {
     "chunk_cumsum": chunk_cumsum_kernel,
-    "fwd_pass_state": fwd_pass_state_kernel,
+    "chunk_state": chunk_state_kernel,
+    "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
+    "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
 }
 
@@ -71,17 +82,26 @@ def _params(kernel_name: str, dt: str) -> tuple:
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
-    if kernel_name == "fwd_pass_state":
-        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(F32, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_state":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5),
+                _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "state_passing":
+        return (_a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3),
+                _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_cb":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 5), _INT)
     if kernel_name == "varlen_states":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
                 _INT, _INT)
     if kernel_name == "compute_out":
-        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(F32, 2), _a(dt, 4),
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(F32, 2), _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     raise KeyError(kernel_name)
+
+
+def _hints(kernel_name: str, dt: str, L: int) -> tuple:
+    return tuple(sorted(launch.kernel_hints(kernel_name, dt, L).items()))
 
 
 def all_specs() -> list[Spec]:
@@ -91,13 +111,18 @@ def all_specs() -> list[Spec]:
         for L in CHUNK_SIZES:
             out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
             for has_seq in (False, True):
-                out.append(Spec("fwd_pass_state", dt, launch.fwd_pass_state_constants(L, has_seq),
-                                _params("fwd_pass_state", dt)))
+                out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq),
+                                _params("chunk_state", dt), _hints("chunk_state", dt, L)))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
+            out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt)))
             for has_seq in (False, True):
                 out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq),
-                                _params("compute_out", dt)))
+                                _params("compute_out", dt), _hints("compute_out", dt, L)))
+    for blk in STATE_BLOCKS:
+        for has_seq in (False, True):
+            out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
+                            _params("state_passing", F32)))
     return out
 
 

@@ -1,0 +1,65 @@
+"""chunk_state kernel: each chunk's own contribution to the state, from a zero start (first half of the
+fwd_pass_state op; state_passing.py is the second).
+
+One program per (chunk, head, (headdim tile, dstate tile), batch row) computes
+
+    local_c = sum over tokens j of the chunk of  x_j^T (w_j B_j),   w_j = exp(cs_last - cs_j) * dt_j
+
+as mma's of (x^T) (TP, BL) by (w * B) (BL, TN), BL token rows at a time, and stores it in float32 into the
+chunk's slot of the states buffer, where state_passing replaces it by the entering state.
+
+Why: the old single kernel walked all chunks of one state tile in one program (B*H*P/TP*N/TN = 160
+programs at the benchmark shape), so every chunk cost a dependent load -> mma -> store round trip and the
+GPU sat at 6% occupancy. No chunk's local state depends on any other, so this part, which holds all the
+matrix work and all reads of x and B, runs with one program per chunk tile (tens of thousands of
+programs); only an elementwise multiply-add stays sequential.
+
+With seq_idx (HAS_SEQ), tokens whose sequence differs from the chunk's last token add nothing (their
+contribution belongs to a state that ends inside the chunk; varlen_states recomputes those).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from .common import Big, ConstBool, ConstInt
+
+_ZERO = ct.PaddingMode.ZERO
+
+
+@ct.kernel
+def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
+                       seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
+                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    nt = pid % n_ntiles
+    rest = pid // n_ntiles
+    pt = rest % n_ptiles
+    rest = rest // n_ptiles
+    h = rest % nheads
+    c = rest // nheads
+    g = h // heads_per_group
+    mma_dtype = x.dtype
+
+    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
+    if HAS_SEQ:
+        seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
+
+    s = ct.zeros((TP, TN), dtype=ct.float32)
+    # Sub-blocks wholly past seqlen are skipped: a tile entirely outside an array is undefined to load.
+    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
+    for sb in range(n_sub):
+        cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+        dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+        w = ct.exp(cs_last - cs) * dt
+        row = c * (L // BL) + sb
+        if HAS_SEQ:
+            seq = ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+            w = ct.where(seq == seq_last, w, 0.0)
+        xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
+        bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
+        s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
+
+    ct.store(states, (b, c, h, pt, nt), s.reshape((1, 1, 1, TP, TN)))

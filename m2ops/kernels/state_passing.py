@@ -1,0 +1,76 @@
+"""state_passing kernel: the state entering every chunk and the final state, from the chunks' local states
+(second half of the fwd_pass_state op, after chunk_state.py).
+
+One program per (block of BLK elements of one head's flattened (headdim x dstate) state, head, batch row)
+walks the chunks in order:
+
+    local_c  = states[c]                  (written by chunk_state)
+    states[c] = S_c                       the state entering chunk c, in place
+    S_{c+1}  = carry_c * S_c + local_c,   carry_c = exp(cs_last_c)
+
+carry_c is zeroed when the chunk's last token belongs to another sequence than the token before the chunk
+(sequence 0 owns initial_states), exactly like the reference. The final S is stored at the end.
+
+Why: the recurrence is elementwise, so any block of the state can run alone; blocks of BLK elements give
+B*H*P*N/BLK programs (640 at B=1, H=80, P=64, N=128, BLK=1024) where the old kernel had 160, and the only
+dependent operation per chunk is one multiply-add. The reads of local_c, cs_last and seq_idx do not depend
+on the recurrence: they are issued one chunk ahead (carried in registers through the loop), so each
+program keeps a load in flight while it stores and updates; the time is then the traffic of reading and
+writing the states once (2 * B*c*H*P*N*4 bytes) rather than c dependent memory round trips.
+
+The states buffer is (b, c, h, P*N) here: a view of the contiguous (b, c, h, P, N) buffer the launcher
+allocates. A partial last block is zero-padded on load and clipped on store. Everything is float32, and the
+chunk size is a run-time argument (it only addresses cs_last and seq_idx), so the specialisations are
+(BLK, HAS_SEQ) alone.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from .common import Big, ConstBool, ConstInt
+
+_ZERO = ct.PaddingMode.ZERO
+
+
+def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, LAT):
+    """Chunk c's local state block, its decay exp(cs_last) and, with seq_idx, whether the entering state
+    survives the chunk (as 1.0 / 0.0 folded into the decay)."""
+    local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
+                    latency=LAT).reshape((BLK,))
+    carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
+    if HAS_SEQ:
+        start = c * L
+        seq_last = ct.load(seq_idx, (b, ct.minimum(start + L - 1, seqlen - 1)), shape=())
+        seq_prev = ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=())
+        seq_prev = ct.where(c == 0, 0, seq_prev)
+        carry = ct.where(seq_last == seq_prev, carry, 0.0)
+    return local, carry
+
+
+@ct.kernel
+def state_passing_kernel(states: Big, dA_cumsum: Big, seq_idx: Big, initial_states: Big, final_states: Big,
+                         seqlen: int, nchunks: int, n_blocks: int, has_init: int, L: int,
+                         BLK: ConstInt, HAS_SEQ: ConstBool, LAT: ConstInt):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    blk = pid % n_blocks
+    h = pid // n_blocks
+
+    s = ct.zeros((BLK,), dtype=ct.float32)
+    if has_init != 0:
+        s = ct.load(initial_states, (b, h, blk), shape=(1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+
+    local, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, 0, blk, seqlen, L, BLK, HAS_SEQ, LAT)
+    for c in range(nchunks):
+        # Next chunk's inputs first (the last iteration re-reads chunk c; the value is unused). Chunk c + 1's
+        # slot is only written in the next iteration, after this read.
+        nxt = ct.minimum(c + 1, nchunks - 1)
+        local_n, carry_n = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, nxt, blk, seqlen,
+                                         L, BLK, HAS_SEQ, LAT)
+        ct.store(states, (b, c, h, blk), s.reshape((1, 1, 1, BLK)))
+        s = s * carry + local
+        local = local_n
+        carry = carry_n
+
+    ct.store(final_states, (b, h, blk), s.reshape((1, 1, BLK)))
