@@ -53,7 +53,8 @@ def test_specialisations_are_enumerated():
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     kinds = {s.kernel_name for s in specs}
-    assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out"}
+    assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
+                     "state_update"}
     for s in specs:
         s.signature()  # every signature is well formed for its kernel
 

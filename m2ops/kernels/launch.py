@@ -7,6 +7,9 @@ What runs the reference instead (same results, slower):
   float64, which the kernels do not;
 - chunk sizes other than 16, 32, 64, 128, 256.
 
+state_update (the one-token decode op) is at the end: not yet exported by m2ops/kernels/__init__.py, so
+dispatch runs the reference for it until tests/gpu/test_state_update.py has passed on a GPU.
+
 Inputs are read in place through their strides (any layout, no padding copies), with these exceptions, each
 one copy of a small or rare tensor:
 - A, dt_bias, D and initial_states are converted to float32 when they are not (D is also expanded to
@@ -26,6 +29,7 @@ import cuda.tile as ct
 
 from ..meta.shapes import cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
+from ..reference import state_update as ref_su
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
@@ -33,6 +37,7 @@ from .common import (STATE_BLOCKS, STATE_LOAD_LATENCY, STATE_PROGRAMS_PER_SM, TI
                      sub_block, supported_chunk_size)
 from .compute_out import compute_out_kernel
 from .state_passing import state_passing_kernel
+from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,6 +136,32 @@ def varlen_states_constants(chunk_size: int) -> dict:
 
 def compute_out_constants(chunk_size: int, has_seq: bool) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+
+
+# state_update: dstate tiles (dstate rounded up to a power of two, at least 32; dstate above 256 loops over
+# 256-wide tiles) and headdim rows per program, TP = STATE_UPDATE_TILE_ELEMS // TN within [8, 64]: 8 KB of
+# float32 state per tile, and 4-8 programs per (batch row, head) at headdim 64 for dstate 128-256, so that a
+# batch-1 decode step of a large model (80 heads) still runs a few hundred programs.
+STATE_UPDATE_TILE_NS = (32, 64, 128, 256)
+STATE_UPDATE_TILE_ELEMS = 2048
+
+
+def state_update_tile_n(dstate: int) -> int:
+    for tn in STATE_UPDATE_TILE_NS:
+        if dstate <= tn:
+            return tn
+    return STATE_UPDATE_TILE_NS[-1]
+
+
+def state_update_constants(tile_n: int) -> dict:
+    return dict(TP=max(8, min(64, STATE_UPDATE_TILE_ELEMS // tile_n)), TN=tile_n)
+
+
+def state_update_dtypes(act_dtype: str) -> tuple:
+    """The dtypes of dt and of the state (each) that the kernel is built for, given the activations' dtype:
+    that dtype or float32 (a layer's dt is its activations' dtype; states are float32, or the activations'
+    dtype in caches kept in it). Other combinations are converted by the launcher."""
+    return (act_dtype,) if act_dtype == "float32" else (act_dtype, "float32")
 
 
 # ---- helpers ----
@@ -283,3 +314,48 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+# ---- decode ----
+
+def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float):
+    """m2ops::state_update on the GPU: (y like x, new_state of state's dtype), inputs never written.
+
+    float64 x, B, C, z, state or dt runs the reference (it computes in float64 then). x, B, C and z are read
+    in their promoted dtype (converted when they differ; y converted back to x's dtype); dt and state in that
+    dtype or float32 (others converted to float32; the new state is then converted back to state's dtype);
+    A, dt_bias and D in float32 (converted when not). One launch otherwise: the outputs are fresh tensors,
+    there is no host synchronisation and nothing depends on tensor values (CUDA-graph capturable)."""
+    if not _kernel_dtype(x, B, C, z, state, dt):
+        return ref_su.state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max)
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    dev = x.device
+    act = _common_dtype(x, B, C, z)
+    xk, Bk, Ck = _as(x, act), _as(B, act), _as(C, act)
+    zk = _as(z, act) if z is not None else xk
+    dtk = _dense(dt) if dt.dtype in (act, torch.float32) else _as(dt, torch.float32)
+    state_k = _dense(state) if state.dtype in (act, torch.float32) else _as(state, torch.float32)
+    A32 = _as(A, torch.float32)
+    bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
+    if D is None:
+        Dk, has_d = _dummy(x, torch.float32, 2), 0
+    elif D.dim() == 1:
+        Dk, has_d = _as(D, torch.float32)[:, None], 1
+    else:
+        Dk, has_d = _as(D, torch.float32), 2
+
+    y = torch.empty((b, h, p), dtype=act, device=dev)
+    new_state = torch.empty((b, h, p, n), dtype=state_k.dtype, device=dev)
+    k = state_update_constants(state_update_tile_n(n))
+    n_ptiles = cdiv(p, k["TP"])
+    _launch((h * n_ptiles, b, 1), state_update_kernel,
+            (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, new_state, y,
+             h, h // g, n, n_ptiles, has_d, int(z is not None), int(dt_bias is not None),
+             int(bool(dt_softplus)), float(dt_min), float(dt_max),
+             k["TP"], k["TN"]))
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if new_state.dtype != state.dtype:
+        new_state = new_state.to(state.dtype)
+    return y, new_state

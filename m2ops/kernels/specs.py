@@ -10,7 +10,9 @@ run-time arguments and do not multiply the specialisations; seq_idx, which masks
 is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block size / chunk size: the former
 reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
 Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
-Spec, so the compile test builds exactly the objects the launchers launch.
+Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode; its
+launcher is not yet exported, see kernels/state_update.py) is listed per activation dtype, dt dtype and
+state dtype (each the activations' dtype or float32) and dstate tile, the first two dtypes in Spec.dtypes.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
 actual strides and alignment, as it does for any kernel.
@@ -30,6 +32,7 @@ from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, STATE_BLOCKS
 from .compute_out import compute_out_kernel
 from .state_passing import state_passing_kernel
+from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
 
 F32, I32 = "float32", "int32"
@@ -44,6 +47,8 @@ class Spec:
     params: tuple = field(hash=False)
     # ct.kernel hints the launcher compiles this specialisation with (launch.kernel_hints), as items.
     hints: tuple = ()
+    # Other array dtypes that tell specialisations apart, as (role, dtype) items (state_update: dt, state).
+    dtypes: tuple = ()
 
     @property
     def kernel(self):
@@ -53,7 +58,7 @@ class Spec:
 
     @property
     def name(self) -> str:
-        consts = ",".join(f"{k}={v}" for k, v in (*self.constants.items(), *self.hints))
+        consts = ",".join(f"{k}={v}" for k, v in (*self.dtypes, *self.constants.items(), *self.hints))
         return f"{self.kernel_name}[{self.dtype},{consts}]"
 
     def signature(self) -> KernelSignature:
@@ -67,6 +72,7 @@ _KERNELS = {
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
+    "state_update": state_update_kernel,
 }
 
 
@@ -77,8 +83,9 @@ def _a(dtype, ndim):
 _INT, _FLOAT = ("int",), ("float",)
 
 
-def _params(kernel_name: str, dt: str) -> tuple:
-    """Run-time parameters of each kernel, in the order of its Python signature (constants excluded)."""
+def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32) -> tuple:
+    """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
+    dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -97,6 +104,10 @@ def _params(kernel_name: str, dt: str) -> tuple:
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(F32, 2), _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "state_update":
+        return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
+                _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     raise KeyError(kernel_name)
 
 
@@ -123,6 +134,14 @@ def all_specs() -> list[Spec]:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
+    # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
+    for dt in INPUT_DTYPES:
+        for dt_dtype in launch.state_update_dtypes(dt):
+            for state_dtype in launch.state_update_dtypes(dt):
+                for tn in launch.STATE_UPDATE_TILE_NS:
+                    out.append(Spec("state_update", dt, launch.state_update_constants(tn),
+                                    _params("state_update", dt, dt_dtype, state_dtype),
+                                    dtypes=(("dt", dt_dtype), ("state", state_dtype))))
     return out
 
 
