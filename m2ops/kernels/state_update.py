@@ -1,6 +1,6 @@
 """state_update kernel: one token of the Mamba-2 recurrence (decoding), functional.
 
-NOT YET ENABLED: validated by tests/gpu/test_state_update.py on a GPU first. Until then m2ops/kernels/__init__.py
+NOT YET ENABLED: validated by tests/gpu/test_state_update_kernel.py on a GPU first. Until then m2ops/kernels/__init__.py
 does not export `state_update`, so m2ops.ops.dispatch keeps running the reference for m2ops::state_update;
 the launcher is m2ops.kernels.launch.state_update (its specialisations are in specs.py and compile-tested).
 

@@ -11,7 +11,7 @@ from torch.library import custom_op
 from ..meta import fake
 from . import dispatch
 from ..reference import chunked as ref
-from ..reference.backward import reference_vjp
+from ..reference import chunked_backward as bwd
 
 
 @custom_op("m2ops::chunk_cumsum", mutates_args=())
@@ -25,8 +25,7 @@ def chunk_cumsum_bwd(g_dt_out: Tensor, g_dA_cumsum: Tensor, dt: Tensor, A: Tenso
                      chunk_size: int, dt_softplus: bool, dt_min: float,
                      dt_max: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of dt, A and dt_bias (empty when dt_bias is None)."""
-    args = (dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-    return reference_vjp(ref.chunk_cumsum, args, (0, 1, 2), (g_dt_out, g_dA_cumsum))
+    return bwd.chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
 
 
 chunk_cumsum.register_fake(fake.chunk_cumsum)

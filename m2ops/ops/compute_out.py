@@ -10,7 +10,7 @@ from torch.library import custom_op
 from ..meta import fake
 from . import dispatch
 from ..reference import chunked as ref
-from ..reference.backward import reference_vjp
+from ..reference import chunked_backward as bwd
 
 
 @custom_op("m2ops::compute_out", mutates_args=())
@@ -25,8 +25,7 @@ def compute_out_bwd(g_y: Tensor, x: Tensor, dt_out: Tensor, dA_cumsum: Tensor, C
                     seq_idx: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                         Tensor]:
     """Gradients of x, dt_out, dA_cumsum, C, B, states, D and z (the last two empty when absent)."""
-    args = (x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
-    return reference_vjp(ref.compute_out, args, (0, 1, 2, 3, 4, 5, 6, 7), (g_y,))
+    return bwd.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
 
 
 compute_out.register_fake(fake.compute_out)

@@ -11,7 +11,7 @@ from torch.library import custom_op
 from ..meta import fake
 from . import dispatch
 from ..reference import chunked as ref
-from ..reference.backward import reference_vjp
+from ..reference import chunked_backward as bwd
 
 
 @custom_op("m2ops::fwd_pass_state", mutates_args=())
@@ -25,8 +25,8 @@ def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: T
                        dA_cumsum: Tensor, initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
                        cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None)."""
-    args = (x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
-    return reference_vjp(ref.fwd_pass_state, args, (0, 1, 2, 3, 4), (g_states, g_final, g_varlen))
+    return bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
+                                  cu_seqlens)
 
 
 fwd_pass_state.register_fake(fake.fwd_pass_state)

@@ -1,7 +1,9 @@
-"""The reference backward: vector-Jacobian products of the chunked forward (torch.func.vjp), recomputing it.
+"""Vector-Jacobian products of a reference forward (torch.func.vjp), recomputing it.
 
-This is the backward of every op on the fallback path. torch.func works inside a custom op's
-implementation, where the dispatcher has already stepped below autograd.
+Only m2ops::state_update_bwd uses this now; the three scan ops run the explicit formulas of
+chunked_backward.py. Delete this module, with its private-dispatcher guard, once state_update has explicit
+backward formulas too. torch.func works inside a custom op's implementation, where the dispatcher has already
+stepped below autograd.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The kernel is not yet exported by m2ops/kernels/__init__.py, so dispatch still runs the reference for
 m2ops::state_update; these tests are what must pass on a GPU before it is exported:
 
-    python -m pytest -q -m gpu tests/gpu/test_state_update.py
+    python -m pytest -q -m gpu tests/gpu/test_state_update_kernel.py
 
 Every test is marked gpu and skipped without a CUDA GPU or where the cuTile kernels cannot run (the reason
 is shown). The expected values come from the reference run on the CPU on the same (already rounded)
