@@ -132,3 +132,26 @@ def public_call(case, return_final_states=True, return_varlen_states=False):
     from m2ops import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined(**case, return_final_states=return_final_states,
                                      return_varlen_states=return_varlen_states)
+
+
+def kernels_or_reason():
+    """(m2ops.kernels, None) where the cuTile kernels run on the current GPU, else (None, why not)."""
+    if not torch.cuda.is_available():
+        return None, "needs a CUDA GPU"
+    try:
+        from m2ops import kernels
+    except ImportError as e:
+        return None, f"cuTile kernels not importable: {e}"
+    reason = kernels.unavailable_reason(torch.cuda.current_device())
+    return (kernels, None) if reason is None else (None, reason)
+
+
+def sweep_settings(default_examples: int):
+    """Hypothesis settings of the GPU sweeps: derandomized, no shrinking (each new combination of dtypes and
+    alignments JIT-compiles kernels); M2OPS_GPU_EXAMPLES overrides the number of examples."""
+    import os
+
+    from hypothesis import HealthCheck, Phase, settings
+    return settings(max_examples=int(os.environ.get("M2OPS_GPU_EXAMPLES", str(default_examples))), deadline=None,
+                    derandomize=True, phases=[Phase.explicit, Phase.generate], print_blob=True,
+                    suppress_health_check=list(HealthCheck))

@@ -14,33 +14,20 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import (CHUNK_SIZES, DTYPES, TOL, make_case, poison_allocator, public_call,  # noqa: E402
-                       reference_forward, rel_err)
+from gpu_cases import (CHUNK_SIZES, DTYPES, TOL, kernels_or_reason, make_case, poison_allocator,  # noqa: E402
+                       public_call, reference_forward, rel_err, sweep_settings)
 
 import m2ops  # noqa: E402
 
 
-def _kernels_or_reason():
-    if not torch.cuda.is_available():
-        return None, "needs a CUDA GPU"
-    try:
-        from m2ops import kernels
-    except ImportError as e:
-        return None, f"cuTile kernels not importable: {e}"
-    reason = kernels.unavailable_reason(torch.cuda.current_device())
-    return (kernels, None) if reason is None else (None, reason)
-
-
-kernels, _reason = _kernels_or_reason()
+kernels, _reason = kernels_or_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(kernels is None, reason=str(_reason))]
 
-SWEEP = settings(max_examples=int(os.environ.get("M2OPS_GPU_EXAMPLES", "20")), deadline=None, derandomize=True,
-                 phases=[Phase.explicit, Phase.generate], print_blob=True,
-                 suppress_health_check=list(HealthCheck))
+SWEEP = sweep_settings(20)
 
 
 def _check(out, expected, kind, dtype, what):

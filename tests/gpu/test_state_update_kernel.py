@@ -32,35 +32,25 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import poison_allocator, rel_err  # noqa: E402
+from gpu_cases import kernels_or_reason, poison_allocator, rel_err, sweep_settings  # noqa: E402
 
 from m2ops.reference import state_update as ref  # noqa: E402
 
 INF = float("inf")
 
 
-def _launcher_or_reason():
-    if not torch.cuda.is_available():
-        return None, "needs a CUDA GPU"
-    try:
-        from m2ops import kernels
-        from m2ops.kernels import launch
-    except ImportError as e:
-        return None, f"cuTile kernels not importable: {e}"
-    reason = kernels.unavailable_reason(torch.cuda.current_device())
-    return (launch, None) if reason is None else (None, reason)
-
-
-launch, _reason = _launcher_or_reason()
+_kernels, _reason = kernels_or_reason()
+if _kernels is not None:
+    from m2ops.kernels import launch
+else:
+    launch = None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(launch is None, reason=str(_reason))]
 
-SWEEP = settings(max_examples=int(os.environ.get("M2OPS_GPU_EXAMPLES", "25")), deadline=None, derandomize=True,
-                 phases=[Phase.explicit, Phase.generate], print_blob=True,
-                 suppress_health_check=list(HealthCheck))
+SWEEP = sweep_settings(25)
 
 TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
