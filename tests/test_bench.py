@@ -35,3 +35,23 @@ def test_floor_is_bandwidth_bound_at_the_protocol_shape():
     # x and y in bf16 dominate: 2 * 16K * 80 * 64 * 2 bytes ~ 336 MB, about 0.08 ms at 4.3 TB/s (DESIGN.md §3)
     assert 0.07 < s.floor_ms() < 0.09
     assert s.bytes_moved() / 4.3e12 > s.flops() / 790e12
+
+
+def test_bench_backward_mode_times_forward_and_backward(tmp_path):
+    results, table = _bench(tmp_path, "--peers", "m2ops", "--backward")
+    (r,) = results
+    assert r["mode"] == "fwd+bwd" and r["ms"] > 0
+    assert r["floor_ms"] == Shape(seqlen=100, dstate=16, nheads=2, headdim=8, dtype="float32").floor_ms(backward=True)
+    assert "fwd+bwd, ms" in table and (tmp_path / "results-backward.md").exists()
+
+
+def test_backward_build_returns_every_gradient():
+    import torch
+
+    from m2ops.bench.peers import build, make_inputs
+    s = Shape(seqlen=40, dstate=8, nheads=2, headdim=4, dtype="float32")
+    inputs = make_inputs(s, "cpu")
+    grads = build("m2ops", inputs, 16, backward=True)()
+    assert [tuple(g.shape) for g in grads] == [tuple(inputs[k].shape) for k in
+                                                ("x", "dt", "A", "B", "C", "D", "initial_states")]
+    assert all(torch.isfinite(g).all() for g in grads)

@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
-    p.add_argument("--backward", action="store_true", help="forward+backward (needs the backward kernels)")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward+backward: gradients of x, dt, A, B, C, D and the initial state")
     return p.parse_args(argv)
 
 
@@ -68,8 +69,7 @@ def _progress(total):
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.backward:
-        sys.exit("--backward needs the cuTile backward kernels (issue 5); not available yet")
+    mode = "fwd+bwd" if a.backward else "fwd"
     peers = a.peers.split(",")
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -82,16 +82,16 @@ def main(argv=None):
     if a.resume and os.path.exists(path):
         with open(path) as f:
             results = json.load(f)
-    done = {(r["peer"], r["key"]) for r in results if "ms" in r}
-    results = [r for r in results if (r["peer"], r["key"]) in done]
-    todo = [(s, p) for s in shapes for p in peers if (p, s.key) not in done]
+    done = {(r["peer"], r["key"], r.get("mode", "fwd")) for r in results if "ms" in r}
+    results = [r for r in results if (r["peer"], r["key"], r.get("mode", "fwd")) in done]
+    todo = [(s, p) for s in shapes for p in peers if (p, s.key, mode) not in done]
     bar = _progress(len(todo))
     for i, (shape, peer) in enumerate(todo):
         job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
-                   device=a.device)
+                   device=a.device, backward=a.backward)
         t0 = time.perf_counter()
         r = run_point(job, a.timeout)
-        r.update(peer=peer, key=shape.key, shape=shape.as_dict(), floor_ms=shape.floor_ms(),
+        r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(), floor_ms=shape.floor_ms(backward=a.backward),
                  wall_s=round(time.perf_counter() - t0, 1))
         results.append(r)
         with open(path, "w") as f:  # after every point: a killed run keeps what it measured
@@ -104,12 +104,14 @@ def main(argv=None):
             print(f"[{i + 1}/{len(todo)}] {msg}", flush=True)
     if bar is not None:
         bar.close()
+    results = [r for r in results if r.get("mode", "fwd") == mode]  # the table and plot of this mode
     order = [p for p in PEERS if p in {r["peer"] for r in results}]
-    table = markdown(results, order)
-    with open(os.path.join(a.out, "results.md"), "w") as f:
+    table = f"{mode}, ms\n\n" + markdown(results, order)
+    suffix = "" if mode == "fwd" else "-backward"
+    with open(os.path.join(a.out, f"results{suffix}.md"), "w") as f:
         f.write(table)
     try:
-        plot(results, os.path.join(a.out, "speedup.png"))
+        plot(results, os.path.join(a.out, f"speedup{suffix}.png"))
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
     print(table)

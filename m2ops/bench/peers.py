@@ -1,5 +1,6 @@
 """The implementations a benchmark compares, each behind the same call: fn() runs one forward pass with
-final states on the shared inputs. A peer that cannot be imported reports why instead of a callable."""
+final states on the shared inputs (or forward and backward). A peer that cannot be imported reports why
+instead of a callable."""
 
 from __future__ import annotations
 
@@ -28,16 +29,42 @@ def make_inputs(shape, device, seed=0):
                 D=randn(h), initial_states=randn(b, h, p, n, scale=0.1))
 
 
-def build(peer: str, inputs: dict, chunk_size: int):
-    """Returns fn() for the peer; raises ImportError/RuntimeError when it cannot run."""
-    x, dt, A, B, C, D, init = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_states"))
+def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
+    """Returns fn() for the peer: the forward pass with final states, or with backward=True the forward and
+    the gradients of x, dt, A, B, C, D and the initial state for fixed output cotangents. Raises
+    ImportError/RuntimeError when the peer cannot run."""
+    x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
+    forward = _forward(peer, inputs, chunk_size)
+    if not backward:
+        fn = forward
+    else:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        dout = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+        dfinal = torch.randn(init.shape, generator=g).to(init.device, init.dtype)
+        if peer.startswith("tilegym"):
+            from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward
+
+            def fn():  # TileGym's backward takes the forward's inputs; its forward runs first, as in training
+                forward()
+                return mamba2_chunk_backward(x, A, B, C, D, dt, init, dout, dfinal, chunk_size=64)
+        else:
+            leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D, init)]
+
+            def fn():
+                y, final = forward()
+                return torch.autograd.grad((y, final), leaves, (dout, dfinal))
+    return _graphed(fn) if peer == "m2ops-graph" else fn
+
+
+GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
+
+
+def _forward(peer, inputs, chunk_size):
+    x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
     if peer in ("m2ops", "m2ops-graph"):
         from m2ops import mamba_chunk_scan_combined
-
-        def fn():
-            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=init,
-                                             return_final_states=True)
-        return _graphed(fn) if peer == "m2ops-graph" else fn
+        return lambda: mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=init,
+                                                 return_final_states=True)
     if peer.startswith("mamba_ssm-c"):
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as ms_scan
         chunk = int(peer.split("-c")[1])

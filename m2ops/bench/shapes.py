@@ -43,8 +43,14 @@ class Shape:
         per_chunk = self.ngroups * 2 * L * L * n + self.nheads * (2 * L * L * p + 4 * L * n * p)
         return chunks * per_chunk
 
-    def floor_ms(self) -> float:
-        return 1e3 * max(self.bytes_moved() / HBM_BYTES_PER_S, self.flops() / MMA_FLOPS_PER_S)
+    def floor_ms(self, backward: bool = False) -> float:
+        """Forward: its bytes and FLOPs. Forward+backward: the backward reads the same inputs plus dy and
+        writes a gradient of each (twice the bytes in all) and does two matrix products per forward one
+        (three times the FLOPs in all)."""
+        bytes_, flops = self.bytes_moved(), self.flops()
+        if backward:
+            bytes_, flops = 2 * bytes_, 3 * flops
+        return 1e3 * max(bytes_ / HBM_BYTES_PER_S, flops / MMA_FLOPS_PER_S)
 
 
 def grid(seqlens, dstates, **common):

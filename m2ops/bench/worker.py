@@ -20,7 +20,7 @@ def run(job: dict) -> dict:
     device = torch.device(job.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     inputs = make_inputs(shape, device)
     t0 = time.perf_counter()
-    fn = build(job["peer"], inputs, job["chunk_size"])
+    fn = build(job["peer"], inputs, job["chunk_size"], backward=job.get("backward", False))
     fn()  # compile / tune / capture happen here, outside the timing
     if device.type == "cuda":
         torch.cuda.synchronize(device)
