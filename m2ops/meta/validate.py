@@ -67,17 +67,10 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     _tensor("C", C, FLOAT_DTYPES, "floating")
     _shape("C", C, (b, T, g, n), "(batch, seqlen, ngroups, dstate) like B")
 
-    if D is not None:
-        _tensor("D", D, FLOAT_DTYPES, "floating")
-        if not (tuple(D.shape) == (h,) or tuple(D.shape) == (h, p)):  # not `in`: dynamo gets it wrong on SymInts
-            _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
-                  tuple(D.shape))
+    _check_head_params(D, dt_bias, h, p)
     if z is not None:
         _tensor("z", z, FLOAT_DTYPES, "floating")
         _shape("z", z, (b, T, h, p), "(batch, seqlen, nheads, headdim) like x")
-    if dt_bias is not None:
-        _tensor("dt_bias", dt_bias, FLOAT_DTYPES, "floating")
-        _shape("dt_bias", dt_bias, (h,), "(nheads,)")
     if initial_states is not None:
         _tensor("initial_states", initial_states, FLOAT_DTYPES, "floating")
         _shape("initial_states", initial_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
@@ -105,6 +98,18 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     if return_varlen_states and cu_seqlens is None:  # after the type check: a non-bool flag is a TypeError
         _fail(ValueError, "cu_seqlens", "given when return_varlen_states=True", None)
     _check_dt_limit(dt_limit)
+
+
+def _check_head_params(D, dt_bias, h, p, where=_WHERE):
+    """D ((nheads,) or (nheads, headdim)) and dt_bias ((nheads,)), shared by the scan and the decode step."""
+    if D is not None:
+        _tensor("D", D, FLOAT_DTYPES, "floating", where)
+        if not (tuple(D.shape) == (h,) or tuple(D.shape) == (h, p)):  # not `in`: dynamo gets it wrong on SymInts
+            _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
+                  tuple(D.shape), where)
+    if dt_bias is not None:
+        _tensor("dt_bias", dt_bias, FLOAT_DTYPES, "floating", where)
+        _shape("dt_bias", dt_bias, (h,), "(nheads,)", where)
 
 
 def _check_dt_limit(dt_limit, where=_WHERE):
@@ -143,17 +148,10 @@ def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
     _shape("dt", dt, (b, h), "(batch, nheads)", w)
     _tensor("A", A, FLOAT_DTYPES, "floating", w)
     _shape("A", A, (h,), "(nheads,)", w)
-    if D is not None:
-        _tensor("D", D, FLOAT_DTYPES, "floating", w)
-        if not (tuple(D.shape) == (h,) or tuple(D.shape) == (h, p)):
-            _fail(ValueError, "D", f"of shape (nheads,) = ({h},) or (nheads, headdim) = ({h}, {p})",
-                  tuple(D.shape), w)
+    _check_head_params(D, dt_bias, h, p, w)
     if z is not None:
         _tensor("z", z, FLOAT_DTYPES, "floating", w)
         _shape("z", z, (b, h, p), "(batch, nheads, headdim) like x", w)
-    if dt_bias is not None:
-        _tensor("dt_bias", dt_bias, FLOAT_DTYPES, "floating", w)
-        _shape("dt_bias", dt_bias, (h,), "(nheads,)", w)
     for name, t in (("state", state), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
                     ("dt_bias", dt_bias)):
         if t is not None:
