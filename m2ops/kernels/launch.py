@@ -7,8 +7,7 @@ What runs the reference instead (same results, slower):
   float64, which the kernels do not;
 - chunk sizes other than 16, 32, 64, 128, 256.
 
-state_update (the one-token decode op) is at the end: not yet exported by m2ops/kernels/__init__.py, so
-dispatch runs the reference for it until tests/gpu/test_state_update_kernel.py has passed on a GPU.
+state_update (the one-token decode op) is at the end.
 
 Inputs are read in place through their strides (any layout, no padding copies), with these exceptions, each
 one copy of a small or rare tensor:

@@ -10,8 +10,7 @@ run-time arguments and do not multiply the specialisations; seq_idx, which masks
 is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block size / chunk size: the former
 reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
 Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
-Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode; its
-launcher is not yet exported, see kernels/state_update.py) is listed per activation dtype, dt dtype and
+Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed per activation dtype, dt dtype and
 state dtype (each the activations' dtype or float32) and dstate tile, the first two dtypes in Spec.dtypes.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the

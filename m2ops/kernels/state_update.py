@@ -1,8 +1,7 @@
 """state_update kernel: one token of the Mamba-2 recurrence (decoding), functional.
 
-NOT YET ENABLED: validated by tests/gpu/test_state_update_kernel.py on a GPU first. Until then m2ops/kernels/__init__.py
-does not export `state_update`, so m2ops.ops.dispatch keeps running the reference for m2ops::state_update;
-the launcher is m2ops.kernels.launch.state_update (its specialisations are in specs.py and compile-tested).
+Launched by m2ops.kernels.launch.state_update, the CUDA implementation of m2ops::state_update (validated by
+tests/gpu/test_state_update_kernel.py on an H200 before it was enabled).
 
 One program per (headdim tile of TP rows, head, batch row). With d the head's processed step size:
 

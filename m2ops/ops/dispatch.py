@@ -54,7 +54,8 @@ def cuda_impl(name: str, reference):
         if use_kernels(device):
             from .. import kernels
             kernel = getattr(kernels, name, None)
-            if kernel is not None:
+            # callable: a kernel module of the same name (imported, not exported) is not a launcher.
+            if callable(kernel):
                 return kernel(*args)
             _warn_no_kernel(name)
         return reference(*args)
