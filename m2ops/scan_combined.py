@@ -47,9 +47,13 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
 
     dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-    states, final_states, varlen_states = ops.fwd_pass_state(
-        x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens if return_varlen_states else None)
-    y = ops.compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+    if return_varlen_states:
+        # Per-sequence final states are read from the per-chunk states: the two-op path keeps them.
+        states, final_states, varlen_states = ops.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states,
+                                                                 seq_idx, cu_seqlens)
+        y = ops.compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+    else:
+        y, final_states = ops.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
 
     out = (y,)
     if return_final_states:

@@ -54,7 +54,7 @@ def test_specialisations_are_enumerated():
     assert len(names) == len(set(names))
     kinds = {s.kernel_name for s in specs}
     assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
-                     "state_update"}
+                     "state_update", "segment_state", "segment_out"}
     for s in specs:
         s.signature()  # every signature is well formed for its kernel
 

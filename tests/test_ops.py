@@ -51,7 +51,9 @@ def stage_args(case, dtype=torch.float32, requires_grad=False):
                 leaf(inp["D"]), leaf(inp["z"]), inp["seq_idx"])
     with torch.no_grad():
         y = ops.compute_out(*out_args)
-    return dict(cumsum=cumsum_args, state=state_args, out=out_args,
+    scan_args = (leaf(inp["x"]), leaf(dt_out), leaf(dA_cumsum), leaf(inp["B"]), leaf(inp["C"]),
+                 leaf(inp["initial_states"]), leaf(inp["D"]), leaf(inp["z"]), inp["seq_idx"])
+    return dict(cumsum=cumsum_args, state=state_args, out=out_args, scan=scan_args,
                 outputs=dict(dt_out=dt_out, dA_cumsum=dA_cumsum, states=states, final=final, varlen=varlen_states,
                              y=y))
 
@@ -72,7 +74,7 @@ def bwd_args(case, dtype=torch.float32):
 
 
 FWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum.default, "state": torch.ops.m2ops.fwd_pass_state.default,
-           "out": torch.ops.m2ops.compute_out.default}
+           "out": torch.ops.m2ops.compute_out.default, "scan": torch.ops.m2ops.chunk_scan.default}
 BWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum_bwd.default,
            "state": torch.ops.m2ops.fwd_pass_state_bwd.default,
            "out": torch.ops.m2ops.compute_out_bwd.default}
@@ -291,3 +293,23 @@ def test_backward_under_torch_dispatch_mode():
         got = grads()
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_chunk_scan_is_the_two_ops(case):
+    """m2ops::chunk_scan = fwd_pass_state then compute_out, in values and in gradients of every input."""
+    s = stage_args(case, dtype=torch.float64, requires_grad=True)
+    y, final = ops.chunk_scan(*s["scan"])
+    x, dt_out, dA, B, C, init, D, z, seq_idx = s["scan"]
+    states, final2, _ = ops.fwd_pass_state(x, B, dt_out, dA, init, seq_idx, None)
+    y2 = ops.compute_out(x, dt_out, dA, C, B, states, D, z, seq_idx)
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final, final2, rtol=1e-12, atol=1e-12)
+    g = torch.Generator().manual_seed(1)
+    gy = torch.randn(y.shape, generator=g, dtype=y.dtype)
+    gf = torch.randn(final.shape, generator=g, dtype=final.dtype)
+    leaves = [t for t in s["scan"] if isinstance(t, torch.Tensor) and t.requires_grad]
+    got = torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)
+    want = torch.autograd.grad((y2 * gy).sum() + (final2 * gf).sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -12,7 +12,8 @@ mm = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
 
 import m2ops.integrations.transformers as m2tf  # noqa: E402
 
-SCAN_OPS = ("m2ops::chunk_cumsum", "m2ops::fwd_pass_state", "m2ops::compute_out")
+# Without return_varlen_states the public function runs chunk_cumsum then chunk_scan.
+SCAN_OPS = ("m2ops::chunk_cumsum", "m2ops::chunk_scan")
 NAMES = ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn",
          "mamba2_split_conv1d_scan_combined")
 

@@ -7,6 +7,9 @@
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
     chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks)  } the
     compute_out.py     compute_out_kernel     y, with D and z fused                                  } compute_out op
+    segments.py        segment_state_kernel,  the chunk_scan op (fwd_pass_state + compute_out fused): segment
+                       segment_out_kernel     end states, state_passing over segments, y from registers-held
+                                              states, no per-chunk states in memory
     state_update.py    state_update_kernel    one decode token: new state and y (the state_update op)
     launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
@@ -24,8 +27,8 @@ except ImportError:
     __all__ = ["unavailable_reason"]
 else:
     # Imported after the kernel modules of the same names, so these names are the launchers.
-    from .launch import chunk_cumsum, compute_out, fwd_pass_state, state_update
+    from .launch import chunk_cumsum, chunk_scan, compute_out, fwd_pass_state, state_update
     from .specs import all_specs
 
-    __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "state_update", "unavailable_reason",
-               "all_specs"]
+    __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",
+               "unavailable_reason", "all_specs"]

@@ -32,9 +32,12 @@ from ..reference import state_update as ref_su
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
-from .common import (STATE_BLOCKS, STATE_LOAD_LATENCY, STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv,
-                     sub_block, supported_chunk_size)
+from .common import (SEGMENT_MAX_DSTATE, SEGMENT_MAX_FUSED_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
+                     STATE_LOAD_LATENCY,
+                     STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
+                     supported_chunk_size)
 from .compute_out import compute_out_kernel
+from .segments import segment_out_kernel, segment_state_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -115,6 +118,8 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
 _KERNEL_OBJECTS = {
     "chunk_state": chunk_state_kernel,
     "compute_out": compute_out_kernel,
+    "segment_state": segment_state_kernel,
+    "segment_out": segment_out_kernel,
 }
 
 
@@ -135,6 +140,39 @@ def varlen_states_constants(chunk_size: int) -> dict:
 
 def compute_out_constants(chunk_size: int, has_seq: bool) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+
+
+def segment_constants(chunk_size: int, dstate: int, has_seq: bool) -> dict:
+    BL, TP, NT = segment_tiles(chunk_size, dstate)
+    return dict(BL=BL, TP=TP, NT=NT, HAS_SEQ=bool(has_seq))
+
+
+# None: segment_count's choice; an int: that many segments (profiling sweeps).
+SEGMENT_COUNT_OVERRIDE = None
+
+
+def segment_count(batch: int, nheads: int, n_ptiles: int, n_blocks: int, device) -> tuple[int, int]:
+    """(segments, blocks per segment) of the fused scan: about SEGMENT_PROGRAMS_PER_SM programs per SM, at
+    most one segment per block. More segments mean more parallel programs and shorter sequential walks, but
+    more segment states (a few MB) and a longer pass over them."""
+    want = SEGMENT_COUNT_OVERRIDE
+    if want is None:
+        want = cdiv(SEGMENT_PROGRAMS_PER_SM * _sm_count(device), batch * nheads * n_ptiles)
+    nseg = max(1, min(n_blocks, want))
+    per_seg = cdiv(n_blocks, nseg)
+    return cdiv(n_blocks, per_seg), per_seg
+
+
+# None: use_segments decides; True / False: always / never the fused scan (profiling and tests).
+SEGMENTS_OVERRIDE = None
+
+
+def use_segments(dstate: int, blocks_per_seg: int) -> bool:
+    """Whether chunk_scan runs the fused segment kernels (else the fwd_pass_state and compute_out kernels):
+    only where they were measured faster, short walks at dstate <= 128 (see common.SEGMENT_MAX_WALK)."""
+    if SEGMENTS_OVERRIDE is not None:
+        return SEGMENTS_OVERRIDE and dstate <= SEGMENT_MAX_DSTATE
+    return dstate <= SEGMENT_MAX_FUSED_DSTATE and blocks_per_seg <= SEGMENT_MAX_WALK
 
 
 # state_update: dstate tiles (dstate rounded up to a power of two, at least 32; dstate above 256 loops over
@@ -313,6 +351,69 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    """y and the final state: through the fused kernels of segments.py where use_segments says they are
+    faster, else through the fwd_pass_state and compute_out kernels (same results up to rounding)."""
+    L = dt_out.shape[-1]
+    if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
+            or not supported_chunk_size(L)):
+        return ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    k = segment_constants(L, n, seq_idx is not None)
+    BL, TP = k["BL"], k["TP"]
+    n_ptiles = cdiv(p, TP)
+    n_blocks = cdiv(T, BL)
+    nseg, per_seg = segment_count(b, h, n_ptiles, n_blocks, x.device)
+    if not use_segments(n, per_seg):
+        states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+        return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
+    dev = x.device
+    nchunks = dt_out.shape[2]
+    mma_dtype = _common_dtype(x, B, C, z)
+    xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
+    zk = _as(z, mma_dtype) if z is not None else xk
+    # Flat (b, h, nchunks * L) views of the chunked intermediates (a copy only if they are not contiguous).
+    dtk = _as(dt_out, torch.float32).reshape(b, h, nchunks * L)
+    csk = _as(dA_cumsum, torch.float32).reshape(b, h, nchunks * L)
+    if D is not None:
+        Dk = _as(D, torch.float32)
+        Dk = (Dk[:, None] if Dk.dim() == 1 else Dk).expand(h, p).contiguous()
+    else:
+        Dk = _dummy(x, torch.float32, 2)
+    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    grid = (nseg * h * n_ptiles, b, 1)
+    dims = (T, h, h // g, n_ptiles, per_seg, n_blocks, L // BL)
+    consts = (k["BL"], k["TP"], k["NT"], k["HAS_SEQ"])
+
+    # 1. Each segment's end state from zero, and its total decay.
+    seg_states = torch.empty((b, nseg, h, p, n), dtype=torch.float32, device=dev)
+    seg_logcarry = torch.empty((b, h, nseg, 1), dtype=torch.float32, device=dev)
+    _launch(grid, hinted_kernel("segment_state", _dtype_name(mma_dtype), L),
+            (xk, Bk, dtk, csk, seq, seg_states, seg_logcarry, *dims, *consts))
+
+    # 2. The states entering the segments (in place) and the final state: state_passing over segments,
+    # with each segment's decay as a one-position "chunk" (its seq_idx cuts are already in the decay).
+    pn = p * n
+    blk = state_passing_block(b, h, pn, dev)
+    n_sblocks = cdiv(pn, blk)
+    final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
+    init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
+            else _dummy(x, torch.float32, 3))
+    ks = state_passing_constants(blk, False)
+    _launch((h * n_sblocks, b, 1), state_passing_kernel,
+            (seg_states.view(b, nseg, h, pn), seg_logcarry, _dummy(x, torch.int32, 2), init,
+             final_states.view(b, h, pn), T, nseg, n_sblocks, int(initial_states is not None), 1,
+             ks["BLK"], ks["HAS_SEQ"], ks["LAT"]))
+
+    # 3. y, walking each segment from its entering state.
+    y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
+    _launch(grid, hinted_kernel("segment_out", _dtype_name(mma_dtype), L),
+            (xk, dtk, csk, Ck, Bk, seq, seg_states, Dk, zk, y, *dims, int(D is not None), int(z is not None),
+             *consts))
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
 
 
 # ---- decode ----

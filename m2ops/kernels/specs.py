@@ -28,8 +28,9 @@ from . import launch
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
-from .common import CHUNK_SIZES, INPUT_DTYPES, STATE_BLOCKS
+from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
+from .segments import segment_out_kernel, segment_state_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -72,6 +73,8 @@ _KERNELS = {
     "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
     "state_update": state_update_kernel,
+    "segment_state": segment_state_kernel,
+    "segment_out": segment_out_kernel,
 }
 
 
@@ -103,6 +106,13 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(F32, 2), _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "segment_state":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 3), _a(F32, 3), _a(I32, 2), _a(F32, 5), _a(F32, 4),
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "segment_out":
+        return (_a(dt, 4), _a(F32, 3), _a(F32, 3), _a(dt, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _a(F32, 2),
+                _a(dt, 4), _a(dt, 4),
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
@@ -129,6 +139,19 @@ def all_specs() -> list[Spec]:
             for has_seq in (False, True):
                 out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq),
                                 _params("compute_out", dt), _hints("compute_out", dt, L)))
+    # Fused scan: one per distinct (BL, TP, NT) over chunk sizes and dstate tiles, with and without seq_idx.
+    for dt in INPUT_DTYPES:
+        seen = set()
+        for L in CHUNK_SIZES:
+            for nt in SEGMENT_NTS:
+                for has_seq in (False, True):
+                    k = launch.segment_constants(L, nt, has_seq)
+                    key = tuple(k.values())
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    for name in ("segment_state", "segment_out"):
+                        out.append(Spec(name, dt, k, _params(name, dt), _hints(name, dt, L)))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),

@@ -26,6 +26,11 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return x.new_empty(x.shape)
 
 
+def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    b, _, h, p = x.shape
+    return x.new_empty(x.shape), x.new_empty(final_states_shape(b, h, p, B.shape[-1]), dtype=dt_out.dtype)
+
+
 def _like(t, ref):
     """Gradient of an optional input: its shape, or an empty tensor like ref (the first cotangent, as
     reference_vjp makes it) when the input is absent."""

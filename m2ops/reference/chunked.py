@@ -142,3 +142,9 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     if z is not None:
         y = y * F.silu(z.to(acc))
     return y.to(x.dtype).contiguous()  # the einsums leave a permuted layout; the fake promises contiguous
+
+
+def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    """fwd_pass_state then compute_out, keeping only y and the final state: the math of the chunk_scan op."""
+    states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states

@@ -67,6 +67,18 @@ def check_case(name, **kw):
         report(name, "y (op)", rel_err(y, y_ref), TOL["y"][dtype])
 
         poison_allocator()
+        from m2ops.kernels import launch
+        launch.SEGMENTS_OVERRIDE = True  # the fused segment kernels, whatever the launcher would choose
+        try:
+            y, fin = kernels.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                        case["initial_states"], case["D"], case["z"], case["seq_idx"])
+        finally:
+            launch.SEGMENTS_OVERRIDE = None
+        assert y.dtype == dtype and y.shape == case["x"].shape
+        report(name, "y (scan)", rel_err(y, y_ref), TOL["y"][dtype])
+        report(name, "final (scan)", rel_err(fin, fin_ref), TOL["states"][dtype])
+
+        poison_allocator()
         out = public_call(case, return_final_states=True, return_varlen_states=ret_varlen)
         report(name, "y (public)", rel_err(out[0], y_ref), TOL["y"][dtype])
         report(name, "final (public)", rel_err(out[1], fin_ref), TOL["states"][dtype])

@@ -47,7 +47,7 @@ def cases(draw, varlen_ok=False):
     kw = dict(
         dtype=dtype, chunk_size=chunk, batch=batch, seqlen=seqlen, nheads=nheads, ngroups=ngroups,
         headdim=draw(st.sampled_from([4, 16, 64, 80, 128])),
-        dstate=draw(st.sampled_from([8, 16, 64, 100, 128, 256])),
+        dstate=draw(st.sampled_from([8, 16, 64, 100, 128, 256, 300, 512])),
         dt_softplus=draw(st.booleans()), dt_bias=draw(st.booleans()),
         dt_limit=draw(st.sampled_from([(0.0, float("inf")), (0.002, 0.3)])),
         D=draw(st.sampled_from([None, "h", "hp"])), z=draw(st.booleans()),
@@ -102,6 +102,26 @@ def test_compute_out(kw):
                             case["D"], case["z"], case["seq_idx"])
     assert y.shape == y_ref.shape and y.dtype == y_ref.dtype and y.is_contiguous()
     _check(y, y_ref, "y", case["x"].dtype, "y")
+
+
+@given(cases(), st.sampled_from([None, True, False]))
+@SWEEP
+def test_chunk_scan(kw, path):
+    """The chunk_scan op on the reference's intermediates, through the launcher's choice (None), the fused
+    segment kernels forced (True; dstate up to 512) or the two-op kernels forced (False)."""
+    from m2ops.kernels import launch
+    case = make_case(**kw)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    poison_allocator()
+    launch.SEGMENTS_OVERRIDE = path
+    try:
+        y, fin = kernels.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                    case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    finally:
+        launch.SEGMENTS_OVERRIDE = None
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype and y.is_contiguous()
+    _check(y, y_ref, "y", case["x"].dtype, "y")
+    _check(fin, fin_ref, "states", case["x"].dtype, "final_states")
 
 
 # ---- the public function end to end ----

@@ -1,0 +1,52 @@
+"""m2ops::chunk_scan: fwd_pass_state and compute_out as one op, for callers that need y and the final state
+but not the state entering every chunk (the public function without return_varlen_states).
+
+On CUDA it runs the fused kernels of m2ops/kernels/segments.py, which never write per-chunk states; its math
+is the reference composition of the two ops. Its backward recomputes the per-chunk states with the
+fwd_pass_state op and runs the two ops' backward ops, so gradients are exactly theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from ..meta import fake
+from . import dispatch
+from ..reference import chunked as ref
+from .compute_out import compute_out_bwd
+from .fwd_pass_state import fwd_pass_state, fwd_pass_state_bwd
+
+
+@custom_op("m2ops::chunk_scan", mutates_args=())
+def chunk_scan(x: Tensor, dt_out: Tensor, dA_cumsum: Tensor, B: Tensor, C: Tensor,
+               initial_states: Optional[Tensor], D: Optional[Tensor], z: Optional[Tensor],
+               seq_idx: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+
+
+chunk_scan.register_fake(fake.chunk_scan)
+chunk_scan.register_kernel("cuda")(dispatch.cuda_impl("chunk_scan", ref.chunk_scan))
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, g_y, g_final):
+    x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx = ctx.saved_tensors
+    with torch.no_grad():
+        states, _, varlen = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
+                                                                    D, z, seq_idx)
+    g_x2, g_B2, g_dt2, g_dA2, g_init = fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
+                                                          dt_out, dA_cumsum, initial_states, seq_idx, None)
+    return (g_x + g_x2, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
+            g_init if initial_states is not None else None,
+            g_D if D is not None else None, g_z if z is not None else None, None)
+
+
+chunk_scan.register_autograd(_backward, setup_context=_setup)
