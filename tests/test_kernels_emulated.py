@@ -1,0 +1,169 @@
+"""The cuTile kernels' own code run on the CPU (tests/tile_emulator.py) against the reference, in CI.
+
+The same launchers, grids, index arithmetic, masks, tails and specialisation choices as on a GPU; only the
+tile primitives are emulated in PyTorch. What this catches: wrong indices, masks, tails, strides, groups and
+launch grids, before a GPU run. What it does not: compiler failures (tests/test_kernels_compile.py), races,
+speed. The tolerances are the GPU tests' (tests/gpu/gpu_cases.py TOL): the emulator rounds the tile
+products' inputs as the kernels ask (dtype casts, tf32), so it errs the same way.
+
+Skipped when cuda.tile is not installed (the kernels cannot even be imported then).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+from gpu_cases import TOL, make_case, reference_forward, rel_err  # noqa: E402
+from tile_emulator import emulated_kernels  # noqa: E402
+
+from m2ops.kernels import launch  # noqa: E402
+from m2ops.reference import state_update as ref_su  # noqa: E402
+
+EXAMPLES = int(os.environ.get("M2OPS_EMULATED_EXAMPLES", "80"))
+SWEEP = settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+
+
+def _check(out, expected, kind, dtype, what):
+    err = rel_err(out, expected)
+    assert err <= TOL[kind][dtype], f"{what}: relative error {err:.3e} > {TOL[kind][dtype]:.0e}"
+
+
+@st.composite
+def cases(draw, varlen_ok=False):
+    """Like the GPU sweep's cases, at sizes the emulator runs in about a second."""
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    nheads = draw(st.sampled_from([1, 2, 4]))
+    seqlen = draw(st.one_of(st.integers(1, 40), st.integers(41, 300)))
+    varlen = varlen_ok and seqlen >= 2 and draw(st.booleans())
+    return dict(
+        dtype=dtype, chunk_size=draw(st.sampled_from([16, 32, 64, 128, 256])),
+        batch=1 if varlen else draw(st.integers(1, 2)), seqlen=seqlen, nheads=nheads,
+        ngroups=draw(st.sampled_from([g for g in (1, 2, 4) if nheads % g == 0])),
+        headdim=draw(st.sampled_from([4, 16, 64, 80])),
+        dstate=draw(st.sampled_from([8, 16, 64, 100, 128, 256, 512])),
+        dt_softplus=draw(st.booleans()), dt_bias=draw(st.booleans()),
+        dt_limit=draw(st.sampled_from([(0.0, float("inf")), (0.002, 0.3)])),
+        D=draw(st.sampled_from([None, "h", "hp"])), z=draw(st.booleans()),
+        initial_states=draw(st.booleans()),
+        seq_idx=(not varlen) and draw(st.booleans()), cu_seqlens=varlen, nseqs=draw(st.integers(1, 6)),
+        noncontig=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+        dt_dtype=draw(st.sampled_from([None, torch.float32])), device="cpu",
+    )
+
+
+@given(cases(varlen_ok=True))
+@SWEEP
+def test_forward_kernels(kw):
+    """chunk_cumsum, fwd_pass_state (with varlen states), compute_out, one at a time on the reference's
+    intermediates."""
+    case = make_case(**kw)
+    varlen = case["cu_seqlens"] is not None
+    y_ref, fin_ref, var_ref, mid = reference_forward(case, return_varlen=varlen)
+    dtype = case["x"].dtype
+    lo, hi = case["dt_limit"]
+    with emulated_kernels():
+        dt_out, cs = launch.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["chunk_size"],
+                                         case["dt_softplus"], float(lo), float(hi))
+        st_, fin, var = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                              case["initial_states"], case["seq_idx"],
+                                              case["cu_seqlens"] if varlen else None)
+        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                               case["D"], case["z"], case["seq_idx"])
+    _check(dt_out, mid["dt_out"], "cumsum", dtype, "dt_out")
+    _check(cs, mid["dA_cumsum"], "cumsum", dtype, "dA_cumsum")
+    _check(st_, mid["states"], "states", dtype, "states")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+    _check(var, var_ref, "states", dtype, "varlen_states")
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    _check(y, y_ref, "y", dtype, "y")
+
+
+@given(cases(), st.sampled_from([True, None]))
+@SWEEP
+def test_chunk_scan(kw, path):
+    """The chunk_scan op: the fused segment kernels forced (True) and the launcher's choice (None)."""
+    case = make_case(**kw)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    dtype = case["x"].dtype
+    launch.SEGMENTS_OVERRIDE = path
+    try:
+        with emulated_kernels():
+            y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                       case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    finally:
+        launch.SEGMENTS_OVERRIDE = None
+    _check(y, y_ref, "y", dtype, "y")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+
+
+@pytest.mark.parametrize("segments", [1, 3, 1000])
+def test_chunk_scan_segment_counts(segments):
+    """Any number of segments gives the same result: one walk over everything, uneven segments, one block
+    per segment."""
+    case = make_case(seqlen=333, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64,
+                     dtype=torch.float32, initial_states=True, seq_idx=True, D="h", z=True, device="cpu")
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    launch.SEGMENTS_OVERRIDE, launch.SEGMENT_COUNT_OVERRIDE = True, segments
+    try:
+        with emulated_kernels():
+            y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                       case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    finally:
+        launch.SEGMENTS_OVERRIDE, launch.SEGMENT_COUNT_OVERRIDE = None, None
+    _check(y, y_ref, "y", torch.float32, "y")
+    _check(fin, fin_ref, "states", torch.float32, "final_states")
+
+
+DECODE_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as the GPU decode tests
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dstate", [16, 100, 256, 300])
+@pytest.mark.parametrize("opts", [dict(), dict(D="hp", z=True, dt_bias=True, softplus=True, limit=(0.01, 0.5)),
+                                  dict(D="h", state_dtype="act")])
+def test_state_update(dtype, dstate, opts):
+    g = torch.Generator().manual_seed(dstate)
+    b, h, G, p = 2, 4, 2, 24
+    state_dtype = dtype if opts.get("state_dtype") == "act" else torch.float32
+    kw = dict(
+        state=torch.randn(b, h, p, dstate, generator=g).to(state_dtype),
+        x=torch.randn(b, h, p, generator=g).to(dtype),
+        dt=torch.rand(b, h, generator=g).to(dtype),
+        A=-torch.exp(torch.rand(h, generator=g) * math.log(8.0)),
+        B=torch.randn(b, G, dstate, generator=g).to(dtype),
+        C=torch.randn(b, G, dstate, generator=g).to(dtype),
+        D={None: None, "h": torch.randn(h, generator=g), "hp": torch.randn(h, p, generator=g)}[opts.get("D")],
+        z=torch.randn(b, h, p, generator=g).to(dtype) if opts.get("z") else None,
+        dt_bias=torch.randn(h, generator=g) if opts.get("dt_bias") else None,
+        dt_softplus=bool(opts.get("softplus")),
+        dt_min=float(opts.get("limit", (0.0, math.inf))[0]), dt_max=float(opts.get("limit", (0.0, math.inf))[1]),
+    )
+    ey, enew = ref_su.state_update(**kw)
+    with emulated_kernels():
+        y, new = launch.state_update(**kw)
+    assert y.dtype == ey.dtype and new.dtype == enew.dtype
+    assert rel_err(y, ey) <= DECODE_TOL[dtype]
+    assert rel_err(new, enew) <= DECODE_TOL[state_dtype]
+
+
+def test_unpadded_out_of_bounds_loads_are_poisoned():
+    """The emulator's own check: a load past the end without zero padding reads NaN, so a kernel that
+    depends on one cannot pass by luck."""
+    from tile_emulator import _Emu
+    emu = _Emu()
+    a = torch.arange(10, dtype=torch.float32)
+    t = emu.load(a, (2,), shape=(4,))
+    assert torch.equal(t[:2], a[8:]) and torch.isnan(t[2:]).all()
+    import cuda.tile as ct
+    z = emu.load(a, (2,), shape=(4,), padding_mode=ct.PaddingMode.ZERO)
+    assert torch.equal(z, torch.tensor([8.0, 9.0, 0.0, 0.0]))
