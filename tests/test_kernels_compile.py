@@ -54,7 +54,8 @@ def test_specialisations_are_enumerated():
     assert len(names) == len(set(names))
     kinds = {s.kernel_name for s in specs}
     assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
-                     "state_update", "segment_state", "segment_out"}
+                     "state_update", "segment_state", "segment_out", "chunk_cumsum_bwd", "state_passing_bwd",
+                     "chunk_state_bwd_x", "chunk_state_bwd_b"}
     for s in specs:
         s.signature()  # every signature is well formed for its kernel
 

@@ -167,3 +167,46 @@ def test_unpadded_out_of_bounds_loads_are_poisoned():
     import cuda.tile as ct
     z = emu.load(a, (2,), shape=(4,), padding_mode=ct.PaddingMode.ZERO)
     assert torch.equal(z, torch.tensor([8.0, 9.0, 0.0, 0.0]))
+
+
+# ---- backward kernels (m2ops/kernels/launch_bwd.py; not yet enabled on CUDA) ----
+
+# Gradients: products with the float32 cotangents run in tf32 (u = 2^-11) and g_x / g_B / g_dt are rounded to
+# their inputs' dtypes (2^-11 float16, 2^-8 bfloat16): normwise errors average below those.
+BWD_TOL = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+CUMSUM_BWD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _cotangent(t, gen):
+    return torch.randn(t.shape, generator=gen, dtype=torch.float32)
+
+
+@given(cases())
+@SWEEP
+def test_backward_kernels(kw):
+    """chunk_cumsum_bwd and fwd_pass_state_bwd against the reference backward formulas."""
+    from m2ops.kernels import launch_bwd
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(**kw)
+    _, fin_ref, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(kw["seed"])
+    lo, hi = case["dt_limit"]
+    args = (_cotangent(mid["dt_out"], gen), _cotangent(mid["dA_cumsum"], gen), case["dt"], case["A"],
+            case["dt_bias"], case["chunk_size"], case["dt_softplus"], float(lo), float(hi))
+    want = ref_bwd.chunk_cumsum_bwd(*args)
+    with emulated_kernels():
+        got = launch_bwd.chunk_cumsum_bwd(*args)
+    for name, a, b, tol in zip(("g_dt", "g_A", "g_dt_bias"), got, want,
+                               (CUMSUM_BWD_TOL[case["dt"].dtype], 1e-5, 1e-5)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
+
+    args = (_cotangent(mid["states"], gen), _cotangent(fin_ref, gen), fin_ref.new_zeros((0, *fin_ref.shape[1:])),
+            case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
+    want = ref_bwd.fwd_pass_state_bwd(*args)
+    with emulated_kernels():
+        got = launch_bwd.fwd_pass_state_bwd(*args)
+    dtype = case["x"].dtype
+    for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
+        assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"

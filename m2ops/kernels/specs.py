@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from . import launch
+from . import launch, launch_bwd
+from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
 from .segments import segment_out_kernel, segment_state_kernel
+from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -75,6 +77,10 @@ _KERNELS = {
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
+    "chunk_cumsum_bwd": chunk_cumsum_bwd_kernel,
+    "state_passing_bwd": state_passing_bwd_kernel,
+    "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
+    "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
 }
 
 
@@ -113,6 +119,18 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 3), _a(F32, 3), _a(dt, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _a(F32, 2),
                 _a(dt, 4), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_cumsum_bwd":
+        return (_a(F32, 4), _a(F32, 4), _a(dt, 3), _a(F32, 1), _a(F32, 1), _a(dt, 3), _a(F32, 3), _a(F32, 3),
+                _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
+    if kernel_name == "state_passing_bwd":
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(F32, 4), _a(F32, 4), _a(F32, 3),
+                _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_state_bwd_x":
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4), _a(F32, 4),
+                _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_state_bwd_b":
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
+                _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
@@ -156,6 +174,18 @@ def all_specs() -> list[Spec]:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
+    # Backward kernels (launch_bwd.py; not yet enabled on CUDA, compiled all the same).
+    for dt in INPUT_DTYPES:
+        for L in CHUNK_SIZES:
+            out.append(Spec("chunk_cumsum_bwd", dt, launch_bwd.chunk_cumsum_bwd_constants(L),
+                            _params("chunk_cumsum_bwd", dt)))
+            for has_seq in (False, True):
+                for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
+                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq), _params(name, dt)))
+    for blk in STATE_BLOCKS:
+        for has_seq in (False, True):
+            out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
+                            _params("state_passing_bwd", F32)))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):

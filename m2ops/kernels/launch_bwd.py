@@ -1,0 +1,128 @@
+"""Launchers of the backward kernels, with the reference backward functions' signatures (chunked_backward.py):
+outputs in their inputs' dtypes, contiguous, never aliasing an input; no host synchronisation.
+
+What runs the reference instead: float64, unsupported chunk sizes, and (fwd_pass_state_bwd) a non-empty
+g_varlen with cu_seqlens (the per-sequence states' backward has no kernel yet).
+
+Not yet exported by m2ops/kernels/__init__.py, so the ops' autograd still runs the PyTorch formulas on CUDA:
+these kernels are checked on the CPU through tests/tile_emulator.py (tests/test_kernels_emulated.py) and
+must pass tests/gpu/test_backward_kernels.py on a GPU before they are enabled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..meta.shapes import num_chunks
+from ..reference import chunked_backward as ref_bwd
+from ..reference.chunked import seq_chunks
+from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
+from .common import TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
+from . import launch
+from .launch import _KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, fwd_pass_state, state_passing_block
+from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
+
+
+def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
+    return dict(L=chunk_size, BH=TILE_H)
+
+
+def state_passing_bwd_constants(block: int, has_seq: bool) -> dict:
+    return dict(BLK=block, HAS_SEQ=bool(has_seq))
+
+
+def chunk_state_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
+    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+
+
+def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    if (dt.dtype not in _KERNEL_DTYPES or g_dt_out.dtype == torch.float64 or A.dtype == torch.float64
+            or not supported_chunk_size(chunk_size)):
+        return ref_bwd.chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min,
+                                        dt_max)
+    b, T, h = dt.shape
+    nchunks = num_chunks(T, chunk_size)
+    dev = dt.device
+    n_hblocks = cdiv(h, TILE_H)
+    g_dt = torch.empty((b, T, h), dtype=dt.dtype, device=dev)
+    g_A_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)
+    g_bias_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)
+    A32 = _as(A, torch.float32)
+    bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
+    k = chunk_cumsum_bwd_constants(chunk_size)
+    launch._launch((nchunks * n_hblocks, b, 1), chunk_cumsum_bwd_kernel,
+            (_as(g_dt_out, torch.float32), _as(g_dA_cumsum, torch.float32), _as(dt, dt.dtype), A32, bias,
+             g_dt, g_A_part, g_bias_part,
+             T, n_hblocks, int(dt_bias is not None), int(bool(dt_softplus)), float(dt_min), float(dt_max),
+             k["L"], k["BH"]))
+    g_A = g_A_part.sum((0, 1)).to(A.dtype)
+    if dt_bias is None:
+        return g_dt, g_A, g_dt_out.new_empty((0,))
+    return g_dt, g_A, g_bias_part.sum((0, 1)).to(dt_bias.dtype)
+
+
+def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
+                       cu_seqlens):
+    L = dt_out.shape[-1]
+    if (not _kernel_dtype(x, B, dt_out, dA_cumsum, g_states, g_final) or dt_out.dtype == torch.float64
+            or g_states.dtype == torch.float64 or not supported_chunk_size(L)
+            or (cu_seqlens is not None and g_varlen.numel() > 0)):
+        return ref_bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states,
+                                          seq_idx, cu_seqlens)
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    nchunks = dt_out.shape[2]
+    dev = x.device
+    mma_dtype = _common_dtype(x, B)
+    xk, Bk = _as(x, mma_dtype), _as(B, mma_dtype)
+    dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
+    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    has_seq = seq_idx is not None
+
+    # The entering states again (the forward kernels), then the reverse recurrence over chunks.
+    states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    pn = p * n
+    blk = state_passing_block(b, h, pn, dev)
+    n_blocks = cdiv(pn, blk)
+    g_local = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
+    g_carry_part = torch.empty((b, h, nchunks, n_blocks), dtype=torch.float32, device=dev)
+    g_init = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
+    ks = state_passing_bwd_constants(blk, has_seq)
+    launch._launch((h * n_blocks, b, 1), state_passing_bwd_kernel,
+            (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
+             _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
+             g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
+             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"]))
+
+    # Per token: g_x and g_w (per headdim tile), then g_B per group.
+    k = chunk_state_bwd_constants(L, has_seq)
+    n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
+    g_x = torch.empty((b, T, h, p), dtype=x.dtype, device=dev)
+    g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
+    launch._launch((nchunks * h * n_ptiles, b, 1), chunk_state_bwd_x_kernel,
+            (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
+             T, h, h // g, n_ptiles, n_ntiles, k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+    g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
+    launch._launch((nchunks * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
+            (xk, dtk, csk, seq, g_local, g_B,
+             T, g, h // g, n_ptiles, n_ntiles, k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+
+    # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
+    g_w = g_w_part.sum(2).view(b, h, nchunks, L)
+    last = csk[..., -1:]
+    arg = last - csk
+    carry = torch.exp(last[..., 0])
+    if seq_idx is not None:
+        sq, prev = seq_chunks(seq_idx, L)
+        arg = arg.masked_fill((sq != sq[..., -1:]).unsqueeze(1), float("-inf"))
+        carry = carry * (sq[..., -1] == prev).unsqueeze(1)
+    decay = torch.exp(arg)
+    g_dt = g_w * decay
+    gw_w = g_w * decay * dtk
+    g_cs = -gw_w
+    g_cs[..., -1] += gw_w.sum(-1) + g_carry_part.sum(-1) * carry
+    g_dt = g_dt.to(dt_out.dtype)
+    g_cs = g_cs.to(dA_cumsum.dtype)
+    if initial_states is None:
+        return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
+    return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)

@@ -1,0 +1,116 @@
+"""Kernels of the fwd_pass_state backward (the reverse of chunk_state.py + state_passing.py).
+
+With S_c the state entering chunk c (recomputed by the forward kernels), carry_c and the token weights w_l as
+in the forward, and gS_C = g_final:
+
+1. state_passing_bwd_kernel, one program per (block of BLK state elements, head, batch row), walks the
+   chunks backwards:  glocal_c = gS_{c+1};  gcarry_c = <gS_{c+1}, S_c> (this block's share);
+   gS_c = g_states[c] + carry_c gS_{c+1};  at the end g_init = gS_0.
+2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
+   tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M and this headdim tile's share of
+   g_w = sum_p x M.
+3. chunk_state_bwd_b_kernel, one program per (chunk, group, dstate tile, batch row): g_B = sum over the
+   group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
+
+The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
+(b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from .common import Big, ConstBool, ConstInt
+from .state_passing import _chunk_inputs
+
+_ZERO = ct.PaddingMode.ZERO
+
+
+@ct.kernel
+def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum: Big, seq_idx: Big,
+                             g_local: Big, g_carry_part: Big, g_init: Big,
+                             seqlen: int, nchunks: int, n_blocks: int, L: int,
+                             BLK: ConstInt, HAS_SEQ: ConstBool):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    blk = pid % n_blocks
+    h = pid // n_blocks
+
+    g = ct.load(g_final, (b, h, blk), shape=(1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+    for i in range(nchunks):
+        c = nchunks - 1 - i
+        s_c, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1)
+        ct.store(g_local, (b, c, h, blk), g.reshape((1, 1, 1, BLK)))
+        ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c).reshape((1, 1, 1, 1)))
+        gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+        g = gst + carry * g
+    ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
+
+
+def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ):
+    """w_l = exp(cs_last - cs_l) dt_l of one block of BL tokens, zero off the chunk-end sequence."""
+    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
+    cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+    dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+    w = ct.exp(cs_last - cs) * dt
+    if HAS_SEQ:
+        seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
+        seq = ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+        w = ct.where(seq == seq_last, w, 0.0)
+    return w
+
+
+@ct.kernel
+def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big,
+                             g_x: Big, g_w_part: Big,
+                             seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
+                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    pt = pid % n_ptiles
+    rest = pid // n_ptiles
+    h = rest % nheads
+    c = rest // nheads
+    g = h // heads_per_group
+
+    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
+    for sb in range(n_sub):
+        row = c * (L // BL) + sb
+        w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
+        m = ct.zeros((BL, TP), dtype=ct.float32)
+        for nt in range(n_ntiles):
+            bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
+            gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
+                         padding_mode=_ZERO).reshape((TP, TN))
+            m = ct.mma(bs.astype(ct.float32).astype(ct.tfloat32), ct.transpose(gl).astype(ct.tfloat32), m)
+        xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        ct.store(g_x, (b, row, h, pt), (m * w[:, None]).astype(g_x.dtype).reshape((1, BL, 1, TP)))
+        gw = ct.sum(xs.astype(ct.float32) * m, axis=1)
+        ct.store(g_w_part, (b, h, pt, row), gw.reshape((1, 1, 1, BL)))
+
+
+@ct.kernel
+def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big, g_B: Big,
+                             seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
+                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    nt = pid % n_ntiles
+    rest = pid // n_ntiles
+    g = rest % ngroups
+    c = rest // ngroups
+
+    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
+    for sb in range(n_sub):
+        row = c * (L // BL) + sb
+        acc = ct.zeros((BL, TN), dtype=ct.float32)
+        for r in range(heads_per_group):
+            h = g * heads_per_group + r
+            w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
+            for pt in range(n_ptiles):
+                xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+                xw = (xs.astype(ct.float32) * w[:, None]).astype(ct.tfloat32)
+                gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
+                             padding_mode=_ZERO).reshape((TP, TN))
+                acc = ct.mma(xw, gl.astype(ct.tfloat32), acc)
+        ct.store(g_B, (b, row, g, nt), acc.astype(g_B.dtype).reshape((1, BL, 1, TN)))

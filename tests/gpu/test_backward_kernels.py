@@ -1,0 +1,86 @@
+"""The backward kernels (m2ops/kernels/launch_bwd.py) on a GPU against the reference backward formulas.
+
+They are not yet enabled (m2ops/kernels/__init__.py does not export them, so the ops' autograd runs the PyTorch
+formulas on CUDA); this file must pass on a GPU first:
+
+    python -m pytest -q -m gpu tests/gpu/test_backward_kernels.py
+
+Tolerances as tests/test_kernels_emulated.py (BWD_TOL, CUMSUM_BWD_TOL), where the same kernels run on the
+CPU emulator in CI. Expected values: the reference on the CPU, on the same (already rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_cases import kernels_or_reason, make_case, poison_allocator, reference_forward, rel_err, sweep_settings  # noqa: E402,E501
+
+from m2ops.reference import chunked_backward as ref_bwd  # noqa: E402
+
+_kernels, _reason = kernels_or_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_kernels is None, reason=str(_reason))]
+
+BWD_TOL = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+CUMSUM_BWD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+SWEEP = sweep_settings(20)
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    nheads = draw(st.sampled_from([1, 2, 4, 6]))
+    return dict(
+        dtype=dtype, chunk_size=draw(st.sampled_from([16, 32, 64, 128, 256])), batch=draw(st.integers(1, 2)),
+        seqlen=draw(st.one_of(st.integers(1, 40), st.integers(41, 700))), nheads=nheads,
+        ngroups=draw(st.sampled_from([g for g in (1, 2, 3, 6) if nheads % g == 0])),
+        headdim=draw(st.sampled_from([4, 16, 64, 80, 128])), dstate=draw(st.sampled_from([8, 16, 64, 100, 256])),
+        dt_softplus=draw(st.booleans()), dt_bias=draw(st.booleans()),
+        dt_limit=draw(st.sampled_from([(0.0, float("inf")), (0.002, 0.3)])),
+        initial_states=draw(st.booleans()), seq_idx=draw(st.booleans()), nseqs=draw(st.integers(1, 8)),
+        noncontig=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+        dt_dtype=draw(st.sampled_from([None, torch.float32])),
+    )
+
+
+@given(cases())
+@SWEEP
+def test_backward_kernels_match_reference(kw):
+    from m2ops.kernels import launch_bwd
+    case = make_case(**kw)
+    _, fin_ref, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(kw["seed"])
+
+    def cot(t):
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device)
+
+    lo, hi = case["dt_limit"]
+    args = (cot(mid["dt_out"]), cot(mid["dA_cumsum"]), case["dt"], case["A"], case["dt_bias"], case["chunk_size"],
+            case["dt_softplus"], float(lo), float(hi))
+    poison_allocator()
+    got = launch_bwd.chunk_cumsum_bwd(*args)
+    want = ref_bwd.chunk_cumsum_bwd(*map(_cpu, args))
+    for name, a, b, tol in zip(("g_dt", "g_A", "g_dt_bias"), got, want,
+                               (CUMSUM_BWD_TOL[case["dt"].dtype], 1e-5, 1e-5)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_cuda, name
+        assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
+
+    args = (cot(mid["states"]), cot(fin_ref), fin_ref.new_zeros((0, *fin_ref.shape[1:])), case["x"], case["B"],
+            mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
+    poison_allocator()
+    got = launch_bwd.fwd_pass_state_bwd(*args)
+    want = ref_bwd.fwd_pass_state_bwd(*map(_cpu, args))
+    dtype = case["x"].dtype
+    for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
+        assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
