@@ -11,6 +11,9 @@
                        segment_out_kernel     end states, state_passing over segments, y from registers-held
                                               states, no per-chunk states in memory
     state_update.py    state_update_kernel    one decode token: new state and y (the state_update op)
+    chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py
+                       the backward kernels of the three ops, launched by launch_bwd.py (not exported yet:
+                       enabled after tests/gpu/test_backward_kernels.py passes on a GPU)
     launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)

@@ -37,41 +37,32 @@ STATE_PROGRAMS_PER_SM = 4
 STATE_LOAD_LATENCY = 10
 
 
-# Fused scan (segments.py): the state tile a program holds in registers is TP x NT float32 with NT = dstate
-# rounded up to a power of two; TP shrinks as NT grows so that it stays at SEGMENT_TILE_ELEMS elements
-# (32 KB), and the token block BL shrinks too, so that the (BL x NT) tiles of B and C stay at 16 KB.
-# dstate above SEGMENT_MAX_DSTATE runs the three-kernel path.
-SEGMENT_TILE_ELEMS = 8192
-SEGMENT_MAX_DSTATE = 512
+# Fused scan (segments.py): a program holds a TP x NT float32 state tile in registers (NT = dstate rounded up
+# to a power of two, TP = 64: 32 KB at NT = 128) and walks blocks of BL = 64 tokens.
+SEGMENT_TP = 64
+SEGMENT_BL = 64
 # Programs per SM the fused scan's segment count aims for (launch.segment_count).
 SEGMENT_PROGRAMS_PER_SM = 4
-# When the launcher takes the fused scan (launch.use_segments). Each block of a segment's walk cost about
-# 13 us (segment_state) and 26 us (segment_out) on an H200 at dstate 128, so the walk only pays where it is
-# short; at dstate 256 and above the register-held state spills (T=16K: 5.4 ms at N=256, 770 ms at N=512,
-# against 1.7 and 3.0 ms for the two-op kernels). Measured (tests/gpu/profile_scan.py, B=1 H=80 P=64 bf16,
-# chunk 256, ms): T=1K N=128, 3 blocks a segment: 0.385 fused, 0.574 two-op; T=4K N=128, 10 blocks: 0.455,
-# 0.349; T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814.
+# When the launcher takes the fused scan (launch.use_segments): dstate <= SEGMENT_MAX_DSTATE, chunk size >= BL,
+# and walks of at most SEGMENT_MAX_WALK blocks. Each block of a walk cost about 13 us (segment_state) and
+# 26 us (segment_out) on an H200 at dstate 128, so the walk only pays where it is short; at dstate 256 and
+# above the register-held state spilled (T=16K: 5.4 ms at N=256, 770 ms at N=512 with smaller tiles, against
+# 1.7 and 3.0 ms for the two-op kernels). Measured (tests/gpu/profile_scan.py, B=1 H=80 P=64 bf16, chunk 256,
+# ms): T=1K N=128, 3 blocks a segment: 0.385 fused, 0.574 two-op; T=4K N=128, 10 blocks: 0.455, 0.349;
+# T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814.
 SEGMENT_MAX_WALK = 4
-SEGMENT_MAX_FUSED_DSTATE = 128
+SEGMENT_MAX_DSTATE = 128
+# Every NT the fused scan uses (specs.py builds each).
+SEGMENT_NTS = (32, 64, 128)
 
 
-def _pow2_at_least(v: int, lo: int) -> int:
-    p = lo
-    while p < v:
-        p *= 2
-    return p
+def segment_tiles(dstate: int) -> tuple[int, int, int]:
+    """(BL, TP, NT) of the fused scan at a dstate <= SEGMENT_MAX_DSTATE."""
+    NT = 32
+    while NT < dstate:
+        NT *= 2
+    return SEGMENT_BL, SEGMENT_TP, NT
 
-
-def segment_tiles(chunk_size: int, dstate: int) -> tuple[int, int, int]:
-    """(BL, TP, NT) of the fused scan at a chunk size and dstate (<= SEGMENT_MAX_DSTATE)."""
-    NT = _pow2_at_least(dstate, 32)
-    TP = max(16, min(64, SEGMENT_TILE_ELEMS // NT))
-    BL = min(chunk_size, max(16, min(64, 8192 // NT)))
-    return BL, TP, NT
-
-
-# Every NT segment_tiles can return (specs.py builds each).
-SEGMENT_NTS = (32, 64, 128, 256, 512)
 
 
 def sub_block(chunk_size: int) -> int:

@@ -32,7 +32,7 @@ from ..reference import state_update as ref_su
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
-from .common import (SEGMENT_MAX_DSTATE, SEGMENT_MAX_FUSED_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
+from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
                      supported_chunk_size)
@@ -142,8 +142,8 @@ def compute_out_constants(chunk_size: int, has_seq: bool) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
 
 
-def segment_constants(chunk_size: int, dstate: int, has_seq: bool) -> dict:
-    BL, TP, NT = segment_tiles(chunk_size, dstate)
+def segment_constants(dstate: int, has_seq: bool) -> dict:
+    BL, TP, NT = segment_tiles(dstate)
     return dict(BL=BL, TP=TP, NT=NT, HAS_SEQ=bool(has_seq))
 
 
@@ -167,12 +167,15 @@ def segment_count(batch: int, nheads: int, n_ptiles: int, n_blocks: int, device)
 SEGMENTS_OVERRIDE = None
 
 
-def use_segments(dstate: int, blocks_per_seg: int) -> bool:
+def use_segments(chunk_size: int, dstate: int, blocks_per_seg: int) -> bool:
     """Whether chunk_scan runs the fused segment kernels (else the fwd_pass_state and compute_out kernels):
-    only where they were measured faster, short walks at dstate <= 128 (see common.SEGMENT_MAX_WALK)."""
+    only where they can (dstate <= 128, chunks of >= 64 tokens) and were measured faster (short walks; see
+    common.SEGMENT_MAX_WALK). SEGMENTS_OVERRIDE forces either where they can."""
+    if dstate > SEGMENT_MAX_DSTATE or chunk_size < SEGMENT_BL:
+        return False
     if SEGMENTS_OVERRIDE is not None:
-        return SEGMENTS_OVERRIDE and dstate <= SEGMENT_MAX_DSTATE
-    return dstate <= SEGMENT_MAX_FUSED_DSTATE and blocks_per_seg <= SEGMENT_MAX_WALK
+        return bool(SEGMENTS_OVERRIDE)
+    return blocks_per_seg <= SEGMENT_MAX_WALK
 
 
 # state_update: dstate tiles (dstate rounded up to a power of two, at least 32; dstate above 256 loops over
@@ -362,12 +365,12 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
         return ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    k = segment_constants(L, n, seq_idx is not None)
+    k = segment_constants(n, seq_idx is not None)
     BL, TP = k["BL"], k["TP"]
     n_ptiles = cdiv(p, TP)
     n_blocks = cdiv(T, BL)
     nseg, per_seg = segment_count(b, h, n_ptiles, n_blocks, x.device)
-    if not use_segments(n, per_seg):
+    if not use_segments(L, n, per_seg):
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
         return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
     dev = x.device

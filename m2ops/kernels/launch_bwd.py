@@ -16,10 +16,14 @@ import torch
 from ..meta.shapes import num_chunks
 from ..reference import chunked_backward as ref_bwd
 from ..reference.chunked import seq_chunks
+from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
+from .compute_out_bwd import (out_bwd_dcb_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dw_kernel,
+                              out_bwd_dx_kernel)
 from .common import TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
-from .launch import _KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, fwd_pass_state, state_passing_block
+from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, chunk_cb_constants, compute_out,
+                     fwd_pass_state, state_passing_block)
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
 
 
@@ -126,3 +130,82 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     if initial_states is None:
         return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
     return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
+
+
+def compute_out_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
+    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+
+
+def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
+    L = dt_out.shape[-1]
+    if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum, states, g_y) or dt_out.dtype == torch.float64
+            or g_y.dtype == torch.float64 or not supported_chunk_size(L)):
+        return ref_bwd.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    nchunks = dt_out.shape[2]
+    dev = x.device
+    mma_dtype = _common_dtype(x, B, C, z)
+    xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
+    dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
+    sk = _as(states, torch.float32)
+    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    k = compute_out_bwd_constants(L, seq_idx is not None)
+    BL, nb = k["BL"], L // k["BL"]
+    n_rblocks = cdiv(T, BL)
+    n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
+    consts4 = (k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"])
+    consts3 = (k["L"], k["BL"], k["TP"], k["HAS_SEQ"])
+
+    # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
+    gy = g_y.float()
+    g_D = g_z = None
+    Dv = None
+    if D is not None:
+        Dv = D.float()[:, None] if D.dim() == 1 else D.float()
+    if z is not None:
+        y1 = compute_out(x, dt_out, dA_cumsum, C, B, states, D, None, seq_idx).float()
+        zf = z.float()
+        sz = torch.sigmoid(zf)
+        g_z = (gy * y1 * (sz * (1 + zf * (1 - sz)))).to(z.dtype)
+        gy = gy * (zf * sz)
+    G = gy.contiguous()
+
+    # C . B^T per (chunk, group), as in the forward.
+    cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
+    kc = chunk_cb_constants(L)
+    launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
+
+    g_x = torch.empty((b, T, h, p), dtype=torch.float32, device=dev)
+    launch._launch((n_rblocks * h * n_ptiles, b, 1), out_bwd_dx_kernel,
+                   (G, dtk, csk, cb, seq, g_x, T, h, h // g, n_ptiles, *consts3))
+
+    p_dt = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
+    p_cs = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
+    g_cs_row = torch.zeros((b, h, nchunks * L), dtype=torch.float32, device=dev)
+    launch._launch((n_rblocks * h, b, 1), out_bwd_dw_kernel,
+                   (G, xk, dtk, csk, Ck, cb, sk, seq, p_dt, p_cs, g_cs_row,
+                    T, h, h // g, n_ptiles, n_ntiles, *consts4))
+
+    g_cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
+    launch._launch((n_rblocks * g, b, 1), out_bwd_dcb_kernel,
+                   (G, xk, dtk, csk, seq, g_cb, T, g, h // g, n_ptiles, *consts3))
+
+    g_C = torch.empty((b, T, g, n), dtype=C.dtype, device=dev)
+    g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
+    launch._launch((n_rblocks * g * n_ntiles, b, 1), out_bwd_dcdb_kernel,
+                   (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, T, g, h // g, n_ptiles, n_ntiles, *consts4))
+
+    g_S = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
+    launch._launch((nchunks * h * n_ptiles * n_ntiles, b, 1), out_bwd_dstates_kernel,
+                   (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
+
+    if Dv is not None:
+        g_x = g_x + G * Dv
+        g_D = (G * x.float()).sum((0, 1))
+        g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
+    g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
+    g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
+    empty = g_y.new_empty((0,))
+    return (g_x.to(x.dtype), g_dt, g_cs, g_C, g_B, g_S.to(states.dtype),
+            g_D if g_D is not None else empty, g_z if g_z is not None else empty)

@@ -31,6 +31,8 @@ from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
+from .compute_out_bwd import (out_bwd_dcb_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dw_kernel,
+                              out_bwd_dx_kernel)
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
 from .state_passing import state_passing_kernel
@@ -81,6 +83,11 @@ _KERNELS = {
     "state_passing_bwd": state_passing_bwd_kernel,
     "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
     "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
+    "out_bwd_dx": out_bwd_dx_kernel,
+    "out_bwd_dw": out_bwd_dw_kernel,
+    "out_bwd_dcb": out_bwd_dcb_kernel,
+    "out_bwd_dcdb": out_bwd_dcdb_kernel,
+    "out_bwd_dstates": out_bwd_dstates_kernel,
 }
 
 
@@ -131,6 +138,18 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "chunk_state_bwd_b":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dx":
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4), _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dw":
+        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
+                _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dcb":
+        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dcdb":
+        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
+                _a(dt, 4), _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dstates":
+        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
@@ -157,19 +176,13 @@ def all_specs() -> list[Spec]:
             for has_seq in (False, True):
                 out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq),
                                 _params("compute_out", dt), _hints("compute_out", dt, L)))
-    # Fused scan: one per distinct (BL, TP, NT) over chunk sizes and dstate tiles, with and without seq_idx.
+    # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
-        seen = set()
-        for L in CHUNK_SIZES:
-            for nt in SEGMENT_NTS:
-                for has_seq in (False, True):
-                    k = launch.segment_constants(L, nt, has_seq)
-                    key = tuple(k.values())
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    for name in ("segment_state", "segment_out"):
-                        out.append(Spec(name, dt, k, _params(name, dt), _hints(name, dt, L)))
+        for nt in SEGMENT_NTS:
+            for has_seq in (False, True):
+                k = launch.segment_constants(nt, has_seq)
+                for name in ("segment_state", "segment_out"):
+                    out.append(Spec(name, dt, k, _params(name, dt)))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
@@ -182,6 +195,13 @@ def all_specs() -> list[Spec]:
             for has_seq in (False, True):
                 for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
                     out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq), _params(name, dt)))
+                k4 = launch_bwd.compute_out_bwd_constants(L, has_seq)
+                k3 = {key: v for key, v in k4.items() if key != "TN"}
+                for name in ("out_bwd_dw", "out_bwd_dcdb", "out_bwd_dstates"):
+                    out.append(Spec(name, dt, k4, _params(name, dt)))
+                out.append(Spec("out_bwd_dcb", dt, k3, _params("out_bwd_dcb", dt)))
+                if dt == INPUT_DTYPES[0]:  # reads only float32 arrays: once per chunk size
+                    out.append(Spec("out_bwd_dx", F32, k3, _params("out_bwd_dx", F32)))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),

@@ -62,8 +62,8 @@ def main():
 
         r = dict(T=T, N=N, L=L, public=_median_ms(pub), scan=_median_ms(scan), two_ops=_median_ms(two_ops))
         r["kernels"] = _kernel_times(pub)
-        nb = -(-T // launch.segment_constants(L, N, False)["BL"])
-        r["segments"] = launch.segment_count(1, 80, -(-64 // launch.segment_constants(L, N, False)["TP"]), nb,
+        nb = -(-T // launch.segment_constants(N, False)["BL"])
+        r["segments"] = launch.segment_count(1, 80, -(-64 // launch.segment_constants(N, False)["TP"]), nb,
                                              x.device)
         print(f"T={T} N={N} L={L}: public {r['public']:.3f}  chunk_scan {r['scan']:.3f}  two ops "
               f"{r['two_ops']:.3f} ms  segments {r['segments']}  ({time.time() - t0:.0f}s)", flush=True)

@@ -1,4 +1,4 @@
-"""The backward kernels (m2ops/kernels/launch_bwd.py) on a GPU against the reference backward formulas.
+"""The backward kernels (m2ops/kernels/launch_bwd.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd) on a GPU against the reference backward formulas.
 
 They are not yet enabled (m2ops/kernels/__init__.py does not export them, so the ops' autograd runs the PyTorch
 formulas on CUDA); this file must pass on a GPU first:
@@ -82,5 +82,26 @@ def test_backward_kernels_match_reference(kw):
     want = ref_bwd.fwd_pass_state_bwd(*map(_cpu, args))
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
+        assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+
+
+@given(cases(), st.sampled_from([None, "h", "hp"]), st.booleans())
+@SWEEP
+def test_compute_out_backward_kernels(kw, D, z):
+    """compute_out_bwd (every gradient, D and z included) against the reference backward formulas."""
+    from m2ops.kernels import launch_bwd
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(**kw, D=D, z=z)
+    y_ref, _, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(kw["seed"])
+    g_y = torch.randn(y_ref.shape, generator=gen).to(y_ref.dtype).to(y_ref.device)
+    args = (g_y, case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"],
+            case["z"], case["seq_idx"])
+    want = ref_bwd.compute_out_bwd(*(_cpu(a) for a in args))
+    poison_allocator()
+    got = launch_bwd.compute_out_bwd(*args)
+    dtype = case["x"].dtype
+    for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
