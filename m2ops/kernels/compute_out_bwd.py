@@ -71,7 +71,7 @@ def _tf32(t):
 @ct.kernel
 def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, g_x: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int,
-                      L: ConstInt, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
+                      L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -96,7 +96,7 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
 def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, seq_idx: Big,
                       p_dt: Big, p_cs: Big, g_cs_row: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                      L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                      L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     h = pid % nheads
@@ -139,7 +139,7 @@ def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: B
 @ct.kernel
 def out_bwd_dcb_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_cb: Big,
                        seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int,
-                       L: ConstInt, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
+                       L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     g = pid % ngroups
@@ -167,7 +167,7 @@ def out_bwd_dcb_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
 def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq_idx: Big, g_cb: Big,
                         g_C: Big, g_B: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                        L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -205,7 +205,7 @@ def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq
 @ct.kernel
 def out_bwd_dstates_kernel(G: Big, dA_cumsum: Big, C: Big, seq_idx: Big, g_states: Big,
                            seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                           L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                           L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles

@@ -36,7 +36,9 @@ def state_passing_bwd_constants(block: int, has_seq: bool) -> dict:
 
 
 def chunk_state_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+    """The chunk size itself is a run-time argument of these kernels (it only enters index arithmetic); only
+    the token block BL it implies is a constant."""
+    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
 
 
 def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
@@ -105,11 +107,11 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     launch._launch((nchunks * h * n_ptiles, b, 1), chunk_state_bwd_x_kernel,
             (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
-             T, h, h // g, n_ptiles, n_ntiles, k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
     g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
     launch._launch((nchunks * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
             (xk, dtk, csk, seq, g_local, g_B,
-             T, g, h // g, n_ptiles, n_ntiles, k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
 
     # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
     g_w = g_w_part.sum(2).view(b, h, nchunks, L)
@@ -133,7 +135,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
 
 
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+    """As chunk_state_bwd_constants: the chunk size is a run-time argument."""
+    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
 
 
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
@@ -154,8 +157,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     BL, nb = k["BL"], L // k["BL"]
     n_rblocks = cdiv(T, BL)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    consts4 = (k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"])
-    consts3 = (k["L"], k["BL"], k["TP"], k["HAS_SEQ"])
+    consts4 = (L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"])
+    consts3 = (L, k["BL"], k["TP"], k["HAS_SEQ"])
 
     # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
     gy = g_y.float()

@@ -10,7 +10,8 @@ run-time arguments and do not multiply the specialisations; seq_idx, which masks
 is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block size / chunk size: the former
 reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
 Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
-Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed per activation dtype, dt dtype and
+Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed
+per activation dtype, dt dtype and
 state dtype (each the activations' dtype or float32) and dstate tile, the first two dtypes in Spec.dtypes.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
@@ -134,22 +135,23 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_x":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4), _a(F32, 4),
-                _INT, _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_b":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
-                _INT, _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
-        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4), _INT, _INT, _INT, _INT)
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4),
+                _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dw":
         return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
-                _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT)
+                _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcb":
-        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT)
+        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcdb":
         return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
-                _a(dt, 4), _INT, _INT, _INT, _INT, _INT)
+                _a(dt, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dstates":
-        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
+        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
@@ -187,11 +189,13 @@ def all_specs() -> list[Spec]:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
-    # Backward kernels (launch_bwd.py; not yet enabled on CUDA, compiled all the same).
+    # Backward kernels (launch_bwd.py; not yet enabled on CUDA, compiled all the same). Apart from
+    # chunk_cumsum_bwd they take the chunk size at run time: one specialisation per token block it implies.
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
             out.append(Spec("chunk_cumsum_bwd", dt, launch_bwd.chunk_cumsum_bwd_constants(L),
                             _params("chunk_cumsum_bwd", dt)))
+        for L in sorted({min(L, 64) for L in CHUNK_SIZES}):  # one chunk size per token block
             for has_seq in (False, True):
                 for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
                     out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq), _params(name, dt)))
@@ -200,7 +204,7 @@ def all_specs() -> list[Spec]:
                 for name in ("out_bwd_dw", "out_bwd_dcdb", "out_bwd_dstates"):
                     out.append(Spec(name, dt, k4, _params(name, dt)))
                 out.append(Spec("out_bwd_dcb", dt, k3, _params("out_bwd_dcb", dt)))
-                if dt == INPUT_DTYPES[0]:  # reads only float32 arrays: once per chunk size
+                if dt == INPUT_DTYPES[0]:  # reads only float32 arrays: once per token block
                     out.append(Spec("out_bwd_dx", F32, k3, _params("out_bwd_dx", F32)))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):

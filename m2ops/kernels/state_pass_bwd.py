@@ -63,8 +63,8 @@ def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, 
 @ct.kernel
 def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big,
                              g_x: Big, g_w_part: Big,
-                             seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                             seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
+                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -91,8 +91,8 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
 
 @ct.kernel
 def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big, g_B: Big,
-                             seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                             seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
+                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles

@@ -1,4 +1,5 @@
-"""The backward kernels (m2ops/kernels/launch_bwd.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd) on a GPU against the reference backward formulas.
+"""The backward kernels (m2ops/kernels/launch_bwd.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd)
+on a GPU against the reference backward formulas.
 
 They are not yet enabled (m2ops/kernels/__init__.py does not export them, so the ops' autograd runs the PyTorch
 formulas on CUDA); this file must pass on a GPU first:
@@ -20,7 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import kernels_or_reason, make_case, poison_allocator, reference_forward, rel_err, sweep_settings  # noqa: E402,E501
+from gpu_cases import (kernels_or_reason, make_case, poison_allocator, reference_forward, rel_err,  # noqa: E402
+                       sweep_settings)
 
 from m2ops.reference import chunked_backward as ref_bwd  # noqa: E402
 
