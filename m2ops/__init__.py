@@ -10,4 +10,12 @@ from .ops.state_update import selective_state_update
 from .scan_combined import mamba_chunk_scan_combined
 
 __version__ = "0.1.0"
-__all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "ops", "__version__"]
+__all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "pretune", "ops", "__version__"]
+
+
+def __getattr__(name):
+    # m2ops.pretune, imported on first use so that `python -m m2ops.tuning` runs its module only once.
+    if name == "pretune":
+        from .tuning import pretune
+        return pretune
+    raise AttributeError(f"module 'm2ops' has no attribute {name!r}")

@@ -53,3 +53,44 @@ def test_budget_stops_the_search_after_the_default(tmp_path):
     got, _ = _run(tmp_path, M2OPS_TUNE_BUDGET_S="0")
     # Over budget after the first timing: only the default was measured and it wins.
     assert got == {"best": {"tile": 1}, "searched": 1}
+
+
+# ---- the tuner wired into the chunk_scan launcher (no GPU needed for these) ----
+
+def test_chunk_scan_configs_default_and_candidates(monkeypatch):
+    pytest.importorskip("cuda.tile")
+    import torch
+    from m2ops.kernels import launch
+    from m2ops.kernels.common import STATE_BLOCKS
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)  # an H200's SMs, without a GPU
+    default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 128, 256, cpu)
+    assert default in cands
+    assert {c["path"] for c in cands} == {"split", "fused"}
+    assert [c["state_block"] for c in cands if c["path"] == "split"] == list(STATE_BLOCKS)
+    # dstate 256: the fused kernels cannot run, so they are no candidates
+    default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
+    assert default["path"] == "split" and all(c["path"] == "split" for c in cands)
+    # short sequences default to the fused kernels (measured faster there)
+    default, _ = launch.chunk_scan_configs(1, 1024, 80, 64, 128, 256, cpu)
+    assert default["path"] == "fused"
+
+
+def test_chunk_scan_shape_key_buckets_seqlen():
+    pytest.importorskip("cuda.tile")
+    import torch
+    from m2ops.kernels import launch
+    x = torch.zeros(1, 3000, 4, 16, dtype=torch.bfloat16)
+    B = torch.zeros(1, 3000, 2, 32, dtype=torch.bfloat16)
+    k1 = launch.chunk_scan_shape_key(x, 64, B, None, None, None)
+    k2 = launch.chunk_scan_shape_key(torch.zeros(1, 4096, 4, 16, dtype=torch.bfloat16), 64, B, None, None, None)
+    assert k1 == k2 and "T4096" in k1 and "bfloat16" in k1 and "N32" in k1 and "G2" in k1
+
+
+def test_pretune_needs_a_gpu():
+    import m2ops
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        m2ops.pretune([dict(seqlen=1024)])

@@ -11,6 +11,7 @@ Skipped when cuda.tile is not installed (the kernels cannot even be imported the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -231,3 +232,47 @@ def test_compute_out_backward_kernels(kw):
     for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+
+
+def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
+    """The tuner inside the chunk_scan launcher: each candidate is timed (a fake timer here, that prefers the
+    fused path at 8 programs per SM), the winner runs and is stored, and a later call reads it back without
+    timing anything. Results equal the reference whichever configuration runs."""
+    from m2ops.kernels import autotune
+    monkeypatch.setenv("M2OPS_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
+    autotune.forget()
+    timed = []
+    real_with = launch._chunk_scan_with
+
+    def recording_with(cfg, *a):
+        timed.append(cfg)
+        return real_with(cfg, *a)
+
+    def fake_ms(fn):
+        fn()
+        return 1.0 if timed[-1] == {"path": "fused", "ppsm": 8} else 2.0
+
+    monkeypatch.setattr(launch, "_chunk_scan_with", recording_with)
+    monkeypatch.setattr(launch, "_tunable", lambda x: True)
+    monkeypatch.setattr(launch, "_median_ms", fake_ms)
+    monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
+    case = make_case(seqlen=300, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, dtype=torch.float32,
+                     initial_states=True, D="h", device="cpu")
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"], case["initial_states"], case["D"],
+            case["z"], case["seq_idx"])
+    with emulated_kernels():
+        y, fin = launch.chunk_scan(*args)
+    _check(y, y_ref, "y", torch.float32, "y")
+    _check(fin, fin_ref, "states", torch.float32, "final_states")
+    stored = json.loads((tmp_path / "tuning.json").read_text())
+    (entry,) = stored.values()
+    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == 8
+    autotune.forget()
+    timed.clear()
+    with emulated_kernels():
+        y2, _ = launch.chunk_scan(*args)
+    assert timed == [{"path": "fused", "ppsm": 8}]  # read back from the file: only the call itself ran
+    _check(y2, y_ref, "y", torch.float32, "y")
+    autotune.forget()

@@ -10,7 +10,8 @@ class; later calls and later processes read it back.
     M2OPS_TUNE_BUDGET_S=20    seconds one new key may spend searching
 
 No search runs while a CUDA graph captures or torch.compile traces: the default is used then, and the
-shape can be tuned ahead of time with m2ops.kernels.autotune.pretune (or any eager call).
+shape can be tuned ahead of time with m2ops.pretune (m2ops/tuning.py) or any eager call. The launcher that
+tunes today: chunk_scan (m2ops.kernels.launch.chunk_scan_configs).
 """
 
 from __future__ import annotations

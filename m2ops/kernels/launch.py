@@ -29,6 +29,7 @@ import cuda.tile as ct
 from ..meta.shapes import cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
+from . import autotune
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
@@ -272,7 +273,8 @@ def _common_dtype(*tensors):
     return dtype
 
 
-def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens):
+def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None):
+    """state_block: the state_passing block size (default: state_passing_block's choice)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, B, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
@@ -300,7 +302,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n
-    blk = state_passing_block(b, h, pn, dev)
+    blk = state_block or state_passing_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
     init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
             else _dummy(x, torch.float32, 3))
@@ -356,23 +358,107 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def _pow2_bucket(v: int) -> int:
+    p = 1
+    while p < v:
+        p *= 2
+    return p
+
+
+def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
+    """The shape class chunk_scan is tuned for: dtype, chunk size, dstate and headdim, groups, heads and batch
+    exactly; seqlen rounded up to a power of two; which options are present."""
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    dtype = _dtype_name(_common_dtype(x, B, z))
+    return (f"{dtype}|L{chunk_size}|N{n}|P{p}|G{g}|H{h}|B{b}|T{_pow2_bucket(T)}"
+            f"|seq{int(seq_idx is not None)}|D{int(D is not None)}|z{int(z is not None)}")
+
+
+def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
+    """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
+    candidates are the two-op path at every state_passing block size and, where the fused kernels can run,
+    the fused path at several segment counts. None of them needs more than the kernels' usual compiles."""
+    k = segment_constants(dstate, False)
+    n_ptiles = cdiv(headdim, k["TP"])
+    n_blocks = cdiv(seqlen, k["BL"])
+    _, per_seg = segment_count(batch, nheads, n_ptiles, n_blocks, device)
+    blk = state_passing_block(batch, nheads, headdim * dstate, device)
+    fused = use_segments(chunk_size, dstate, per_seg)
+    default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
+               else {"path": "split", "state_block": blk})
+    candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
+    if dstate <= SEGMENT_MAX_DSTATE and chunk_size >= SEGMENT_BL:
+        candidates += [{"path": "fused", "ppsm": v} for v in (2, 4, 8, 16)]
+    return default, candidates
+
+
+def _tunable(x) -> bool:
+    """Searching is allowed: a CUDA input, no override set for profiling, not inside CUDA-graph capture or
+    compile."""
+    if not x.is_cuda:
+        return False
+    if SEGMENTS_OVERRIDE is not None or SEGMENT_COUNT_OVERRIDE is not None or STATE_BLOCK_OVERRIDE is not None:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def _median_ms(fn, reps: int = 5) -> float:
+    fn()  # warm-up (and first compile)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
-    """y and the final state: through the fused kernels of segments.py where use_segments says they are
-    faster, else through the fwd_pass_state and compute_out kernels (same results up to rounding)."""
+    """y and the final state, through the fused kernels of segments.py or through the fwd_pass_state and
+    compute_out kernels (same results up to rounding): the tuned choice for this shape class when the tuning
+    cache has one (m2ops.kernels.autotune; a first eager call on a GPU searches, within its budget), else the
+    launcher's default (use_segments)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
         return ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+    b, T, h, p = x.shape
+    n = B.shape[3]
+    default, candidates = chunk_scan_configs(b, T, h, p, n, L, x.device)
+    config = default
+    if _tunable(x):
+        def run(cfg):
+            return lambda: _chunk_scan_with(cfg, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+        config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
+                                 candidates, lambda cfg: _median_ms(run(cfg)),
+                                 device_index=x.device.index or 0)
+    return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+
+
+def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    if config["path"] == "split":
+        states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
+                                                 state_block=config.get("state_block"))
+        return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
+    L = dt_out.shape[-1]
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     k = segment_constants(n, seq_idx is not None)
     BL, TP = k["BL"], k["TP"]
     n_ptiles = cdiv(p, TP)
     n_blocks = cdiv(T, BL)
-    nseg, per_seg = segment_count(b, h, n_ptiles, n_blocks, x.device)
-    if not use_segments(L, n, per_seg):
-        states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
-        return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
+    if SEGMENT_COUNT_OVERRIDE is None:
+        want = cdiv(config.get("ppsm", SEGMENT_PROGRAMS_PER_SM) * _sm_count(x.device), b * h * n_ptiles)
+    else:
+        want = SEGMENT_COUNT_OVERRIDE
+    nseg = max(1, min(n_blocks, want))
+    per_seg = cdiv(n_blocks, nseg)
+    nseg = cdiv(n_blocks, per_seg)
     dev = x.device
     nchunks = dt_out.shape[2]
     mma_dtype = _common_dtype(x, B, C, z)

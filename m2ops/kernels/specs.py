@@ -11,8 +11,8 @@ is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block si
 reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
 Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
 Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed
-per activation dtype, dt dtype and
-state dtype (each the activations' dtype or float32) and dstate tile, the first two dtypes in Spec.dtypes.
+per activation dtype, dt dtype and state dtype (each the activations' dtype or float32) and dstate tile, the
+first two dtypes in Spec.dtypes.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
 actual strides and alignment, as it does for any kernel.
