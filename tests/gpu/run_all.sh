@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, each step under its own time limit, results under ${OUT:-gpu-results}/.
+# Usage (on the GPU machine, after `source .device/env.sh`):  bash tests/gpu/run_all.sh [step ...]
+# Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-gpu-results}"
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(kernels memcheck check backward state_update models model_bench profile)
+
+run() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (limit ${secs}s): $*"
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "    rc=$rc in $((SECONDS - t0))s; last lines:"
+  tail -n 4 "$OUT/$name.txt" | sed 's/^/    /'
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    kernels) run kernels 420 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu/test_graph_safety.py ;;
+    memcheck) run memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;
+    check) run check 240 python tests/gpu/check_kernels.py ;;
+    backward) run backward 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
+    state_update) run state_update 120 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_state_update_kernel.py ;;
+    models) run models 420 python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
+    model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
+    profile) run profile 300 python tests/gpu/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
