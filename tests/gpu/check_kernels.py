@@ -68,7 +68,7 @@ def check_case(name, **kw):
 
         poison_allocator()
         from m2ops.kernels import launch
-        launch.SEGMENTS_OVERRIDE = True  # the fused segment kernels, whatever the launcher would choose
+        launch.SEGMENTS_OVERRIDE = True  # the fused segment kernels wherever they can run (dstate <= 128, chunk >= 64)
         try:
             y, fin = kernels.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                         case["initial_states"], case["D"], case["z"], case["seq_idx"])
