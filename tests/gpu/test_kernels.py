@@ -108,7 +108,8 @@ def test_compute_out(kw):
 @SWEEP
 def test_chunk_scan(kw, path):
     """The chunk_scan op on the reference's intermediates, through the launcher's choice (None), the fused
-    segment kernels forced where they can run (True; dstate <= 128, chunk >= 64) or the two-op kernels forced (False)."""
+    segment kernels forced where they can run (True; dstate <= 128, chunk >= 64) or the two-op kernels
+    forced (False)."""
     from m2ops.kernels import launch
     case = make_case(**kw)
     y_ref, fin_ref, _, mid = reference_forward(case)
