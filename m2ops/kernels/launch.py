@@ -395,8 +395,8 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
 
 def _tunable(x) -> bool:
     """Searching is allowed: a CUDA input, no override set for profiling, not inside CUDA-graph capture or
-    compile."""
-    if not x.is_cuda:
+    compile, and no torch.cuda sync debug mode set (a search waits on CUDA events: a host synchronisation)."""
+    if not x.is_cuda or torch.cuda.get_sync_debug_mode() != 0:
         return False
     if SEGMENTS_OVERRIDE is not None or SEGMENT_COUNT_OVERRIDE is not None or STATE_BLOCK_OVERRIDE is not None:
         return False
