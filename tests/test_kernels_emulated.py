@@ -254,7 +254,8 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
         return 1.0 if timed[-1] == {"path": "fused", "ppsm": 8} else 2.0
 
     monkeypatch.setattr(launch, "_chunk_scan_with", recording_with)
-    monkeypatch.setattr(launch, "_tunable", lambda x: True)
+    monkeypatch.setattr(launch, "_tuned", lambda x: True)
+    monkeypatch.setattr(launch, "_can_search", lambda: True)
     monkeypatch.setattr(launch, "_median_ms", fake_ms)
     monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
     case = make_case(seqlen=300, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, dtype=torch.float32,
@@ -275,4 +276,11 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
         y2, _ = launch.chunk_scan(*args)
     assert timed == [{"path": "fused", "ppsm": 8}]  # read back from the file: only the call itself ran
     _check(y2, y_ref, "y", torch.float32, "y")
+    # Where no search may run (CUDA-graph capture, compile, sync debug mode) the stored choice still applies.
+    autotune.forget()
+    timed.clear()
+    monkeypatch.setattr(launch, "_can_search", lambda: False)
+    with emulated_kernels():
+        launch.chunk_scan(*args)
+    assert timed == [{"path": "fused", "ppsm": 8}]
     autotune.forget()

@@ -393,14 +393,18 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     return default, candidates
 
 
-def _tunable(x) -> bool:
-    """Searching is allowed: a CUDA input, no override set for profiling, not inside CUDA-graph capture or
-    compile, and no torch.cuda sync debug mode set (a search waits on CUDA events: a host synchronisation)."""
-    if not x.is_cuda or torch.cuda.get_sync_debug_mode() != 0:
-        return False
-    if SEGMENTS_OVERRIDE is not None or SEGMENT_COUNT_OVERRIDE is not None or STATE_BLOCK_OVERRIDE is not None:
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+def _tuned(x) -> bool:
+    """Whether the tuning cache decides: CUDA inputs, and no override set for profiling."""
+    overridden = (SEGMENTS_OVERRIDE is not None or SEGMENT_COUNT_OVERRIDE is not None
+                  or STATE_BLOCK_OVERRIDE is not None)
+    return x.is_cuda and not overridden
+
+
+def _can_search() -> bool:
+    """Whether a missing choice may be searched now: not inside CUDA-graph capture or torch.compile tracing,
+    and no torch.cuda sync debug mode set (a search waits on CUDA events: a host synchronisation). Otherwise
+    the stored choice, or the default, is used."""
+    if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
         return False
     return not torch.compiler.is_compiling()
 
@@ -431,11 +435,11 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
     n = B.shape[3]
     default, candidates = chunk_scan_configs(b, T, h, p, n, L, x.device)
     config = default
-    if _tunable(x):
+    if _tuned(x):
         def run(cfg):
             return lambda: _chunk_scan_with(cfg, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
         config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
-                                 candidates, lambda cfg: _median_ms(run(cfg)),
+                                 candidates, lambda cfg: _median_ms(run(cfg)), can_search=_can_search(),
                                  device_index=x.device.index or 0)
     return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
 
