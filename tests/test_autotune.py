@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(tmp_path, **env):
-    full_env = {**os.environ, "M2OPS_TUNING_CACHE": str(tmp_path / "tuning.json"), **env}
+    full_env = {**os.environ, "M2OPS_AUTOTUNE": "1", "M2OPS_TUNING_CACHE": str(tmp_path / "tuning.json"), **env}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=full_env,
                          check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr

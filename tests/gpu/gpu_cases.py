@@ -18,9 +18,14 @@ of order 1e-1 and more.
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import torch
+
+# The GPU tests check the launchers' default configurations and the forced paths, not a tuned choice; a tuning
+# search per new shape class (and the compiles of every candidate) would multiply their run time.
+os.environ.setdefault("M2OPS_AUTOTUNE", "0")
 
 from m2ops.reference import chunked as ref
 
