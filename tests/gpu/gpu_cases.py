@@ -154,8 +154,6 @@ def kernels_or_reason():
 def sweep_settings(default_examples: int):
     """Hypothesis settings of the GPU sweeps: derandomized, no shrinking (each new combination of dtypes and
     alignments JIT-compiles kernels); M2OPS_GPU_EXAMPLES overrides the number of examples."""
-    import os
-
     from hypothesis import HealthCheck, Phase, settings
     return settings(max_examples=int(os.environ.get("M2OPS_GPU_EXAMPLES", str(default_examples))), deadline=None,
                     derandomize=True, phases=[Phase.explicit, Phase.generate], print_blob=True,
