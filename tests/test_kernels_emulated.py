@@ -256,7 +256,7 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "_chunk_scan_with", recording_with)
     monkeypatch.setattr(launch, "_tuned", lambda x: True)
     monkeypatch.setattr(launch, "_can_search", lambda: True)
-    monkeypatch.setattr(launch, "_median_ms", fake_ms)
+    monkeypatch.setattr(launch, "median_ms", fake_ms)
     monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
     case = make_case(seqlen=300, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, dtype=torch.float32,
                      initial_states=True, D="h", device="cpu")

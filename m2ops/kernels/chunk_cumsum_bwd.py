@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .chunk_cumsum import softplus
+from .chunk_cumsum import dt_stages
 from .common import Big, ConstInt
 
 _ZERO = ct.PaddingMode.ZERO
@@ -33,17 +33,7 @@ def chunk_cumsum_bwd_kernel(g_dt_out: Big, g_cs: Big, dt: Big, A, dt_bias, g_dt:
     c = pid // n_hblocks
     hb = pid % n_hblocks
 
-    v = ct.load(dt, (b, c, hb), shape=(1, L, BH), padding_mode=_ZERO).reshape((L, BH)).astype(ct.float32)
-    if has_bias != 0:
-        bias = ct.load(dt_bias, (hb,), shape=(BH,), padding_mode=_ZERO).astype(ct.float32)
-        v = v + bias[None, :]
-    u = v
-    if dt_softplus != 0:
-        u = softplus(v)
-    d = ct.minimum(ct.maximum(u, dt_min), dt_max)
-    t = c * L + ct.arange(L, dtype=ct.int32)
-    inside = (t < seqlen)[:, None]
-    d = ct.where(inside, d, 0.0)
+    v, u, d, inside = dt_stages(dt, dt_bias, b, c, hb, seqlen, has_bias, dt_softplus, dt_min, dt_max, L, BH)
 
     gdo = ct.transpose(ct.load(g_dt_out, (b, hb, c, 0), shape=(1, BH, 1, L),
                                padding_mode=_ZERO).reshape((BH, L)))

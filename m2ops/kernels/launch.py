@@ -223,6 +223,14 @@ def _dummy(ref_tensor, dtype, ndim):
     return torch.empty((1,) * ndim, dtype=dtype, device=ref_tensor.device)
 
 
+def _d_per_channel(D, nheads, headdim, like):
+    """D as the float32 (nheads, headdim) array the kernels read (a dummy when D is None)."""
+    if D is None:
+        return _dummy(like, torch.float32, 2)
+    Dk = _as(D, torch.float32)
+    return (Dk[:, None] if Dk.dim() == 1 else Dk).expand(nheads, headdim).contiguous()
+
+
 def _kernel_dtype(*tensors) -> bool:
     return all(t.dtype in _KERNEL_DTYPES for t in tensors if t is not None)
 
@@ -333,11 +341,7 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     mma_dtype = _common_dtype(x, B, C, z)
     xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
     zk = _as(z, mma_dtype) if z is not None else xk
-    if D is not None:
-        Dk = _as(D, torch.float32)
-        Dk = (Dk[:, None] if Dk.dim() == 1 else Dk).expand(h, p).contiguous()
-    else:
-        Dk = _dummy(x, torch.float32, 2)
+    Dk = _d_per_channel(D, h, p, x)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
     BL = sub_block(L)
@@ -409,7 +413,8 @@ def _can_search() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def _median_ms(fn, reps: int = 5) -> float:
+def median_ms(fn, reps: int = 5) -> float:
+    """Median device time of fn in ms over reps calls after one warm-up call (CUDA events; synchronises)."""
     fn()  # warm-up (and first compile)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -439,7 +444,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
         def run(cfg):
             return lambda: _chunk_scan_with(cfg, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
         config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
-                                 candidates, lambda cfg: _median_ms(run(cfg)), can_search=_can_search(),
+                                 candidates, lambda cfg: median_ms(run(cfg)), can_search=_can_search(),
                                  device_index=x.device.index or 0)
     return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
 
@@ -471,11 +476,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     # Flat (b, h, nchunks * L) views of the chunked intermediates (a copy only if they are not contiguous).
     dtk = _as(dt_out, torch.float32).reshape(b, h, nchunks * L)
     csk = _as(dA_cumsum, torch.float32).reshape(b, h, nchunks * L)
-    if D is not None:
-        Dk = _as(D, torch.float32)
-        Dk = (Dk[:, None] if Dk.dim() == 1 else Dk).expand(h, p).contiguous()
-    else:
-        Dk = _dummy(x, torch.float32, 2)
+    Dk = _d_per_channel(D, h, p, x)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     grid = (nseg * h * n_ptiles, b, 1)
     dims = (T, h, h // g, n_ptiles, per_seg, n_blocks, L // BL)

@@ -147,17 +147,8 @@ def timings():
 
 
 def _median_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    from m2ops.kernels.launch import median_ms
+    return median_ms(fn, reps)
 
 
 # Kernel names as they appear in the profiler (substrings of the cuTile symbols).
