@@ -20,6 +20,8 @@ import argparse
 
 import torch
 
+from .bench.shapes import parse_sizes
+
 DEFAULTS = dict(batch=1, nheads=80, headdim=64, ngroups=1, dstate=128, chunk_size=256, seq_idx=False, D=True,
                 z=False)
 
@@ -45,6 +47,13 @@ def pretune(shapes, dtype=torch.bfloat16, device="cuda") -> list[dict]:
     """Tune each shape (a dict with seqlen and any of batch, nheads, headdim, ngroups, dstate, chunk_size,
     seq_idx, D, z; defaults in DEFAULTS) on the GPU and return, per shape, its tuning key and the chosen
     configuration (None where the kernels do not run: the reference then serves the shape)."""
+    shapes = list(shapes)
+    for shape in shapes:
+        if not isinstance(shape, dict) or "seqlen" not in shape:
+            raise ValueError(f"pretune: each shape must be a dict with a seqlen, got {shape!r}")
+        unknown = sorted(set(shape) - set(DEFAULTS) - {"seqlen"})
+        if unknown:
+            raise ValueError(f"pretune: unknown shape keys {unknown}; expected seqlen and any of {sorted(DEFAULTS)}")
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError(f"pretune needs a CUDA device (got {device}; torch.cuda.is_available() is "
@@ -53,8 +62,6 @@ def pretune(shapes, dtype=torch.bfloat16, device="cuda") -> list[dict]:
     from .kernels import autotune, launch
     out = []
     for shape in shapes:
-        if "seqlen" not in shape:
-            raise ValueError(f"pretune: each shape needs a seqlen, got {shape}")
         kw = _inputs(shape, dtype, device)
         mamba_chunk_scan_combined(**kw)
         torch.cuda.synchronize(device)
@@ -62,14 +69,6 @@ def pretune(shapes, dtype=torch.bfloat16, device="cuda") -> list[dict]:
         out.append(dict(shape=shape, key=key,
                         config=autotune.lookup(autotune.full_key("chunk_scan", key, device.index or 0))))
     return out
-
-
-def _sizes(text: str) -> list[int]:
-    vals = []
-    for v in text.split(","):
-        v = v.strip()
-        vals.append(int(v[:-1]) * 1024 if v[-1:] in "kK" else int(v))
-    return vals
 
 
 def main(argv=None):
@@ -82,7 +81,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shapes = [dict(seqlen=T, dstate=n, batch=args.batch, nheads=args.nheads, headdim=args.headdim,
                    ngroups=args.ngroups, chunk_size=args.chunk_size)
-              for T in _sizes(args.seqlens) for n in _sizes(args.dstates)]
+              for T in parse_sizes(args.seqlens) for n in parse_sizes(args.dstates)]
     for r in pretune(shapes, dtype=getattr(torch, args.dtype)):
         print(f"{r['key']}: {r['config']}")
 

@@ -94,3 +94,11 @@ def test_pretune_needs_a_gpu():
         pytest.skip("has a GPU")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         m2ops.pretune([dict(seqlen=1024)])
+
+
+def test_pretune_names_bad_shapes():
+    import m2ops
+    with pytest.raises(ValueError, match="with a seqlen"):
+        m2ops.pretune([dict(dstate=128)])
+    with pytest.raises(ValueError, match=r"unknown shape keys \['d_state'\]"):
+        m2ops.pretune([dict(seqlen=1024, d_state=128)])

@@ -15,18 +15,14 @@ import time
 
 from .peers import PEERS
 from .report import markdown, plot
-from .shapes import grid
-
-
-def _ints(text):
-    return [int(v.replace("K", "")) * (1024 if v.endswith("K") else 1) for v in text.split(",")]
+from .shapes import grid, parse_sizes
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m m2ops.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=_ints, default=_ints("1K,4K,16K,64K,256K"), help="e.g. 1K,4K,16K")
-    p.add_argument("--dstates", type=_ints, default=_ints("64,128,256,512"))
+    p.add_argument("--seqlens", type=parse_sizes, default=parse_sizes("1K,4K,16K,64K,256K"), help="e.g. 1K,4K,16K")
+    p.add_argument("--dstates", type=parse_sizes, default=parse_sizes("64,128,256,512"))
     p.add_argument("--peers", default="m2ops,m2ops-graph,mamba_ssm-c64,mamba_ssm-c128,mamba_ssm-c256,tilegym",
                    help=f"comma-separated, from: {', '.join(PEERS)}")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -91,7 +87,8 @@ def main(argv=None):
                    device=a.device, backward=a.backward)
         t0 = time.perf_counter()
         r = run_point(job, a.timeout)
-        r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(), floor_ms=shape.floor_ms(backward=a.backward),
+        r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(),
+                 floor_ms=shape.floor_ms(backward=a.backward),
                  wall_s=round(time.perf_counter() - t0, 1))
         results.append(r)
         with open(path, "w") as f:  # after every point: a killed run keeps what it measured

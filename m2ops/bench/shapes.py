@@ -11,6 +11,15 @@ FLOOR_CHUNK = 64  # FLOPs are counted for the chunked algorithm at this chunk si
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def parse_sizes(text: str) -> list[int]:
+    """"1K,4K,128" -> [1024, 4096, 128]: comma-separated ints, a K suffix multiplying by 1024."""
+    out = []
+    for v in text.split(","):
+        v = v.strip()
+        out.append(int(v[:-1]) * 1024 if v.endswith("K") else int(v))
+    return out
+
+
 @dataclass(frozen=True)
 class Shape:
     seqlen: int

@@ -152,13 +152,15 @@ def segment_constants(dstate: int, has_seq: bool) -> dict:
 SEGMENT_COUNT_OVERRIDE = None
 
 
-def segment_count(batch: int, nheads: int, n_ptiles: int, n_blocks: int, device) -> tuple[int, int]:
-    """(segments, blocks per segment) of the fused scan: about SEGMENT_PROGRAMS_PER_SM programs per SM, at
-    most one segment per block. More segments mean more parallel programs and shorter sequential walks, but
-    more segment states (a few MB) and a longer pass over them."""
+def segment_count(batch: int, nheads: int, n_ptiles: int, n_blocks: int, device,
+                  programs_per_sm: int | None = None) -> tuple[int, int]:
+    """(segments, blocks per segment) of the fused scan: about programs_per_sm (default
+    SEGMENT_PROGRAMS_PER_SM) programs per SM, at most one segment per block. More segments mean more parallel
+    programs and shorter sequential walks, but more segment states (a few MB) and a longer pass over them."""
     want = SEGMENT_COUNT_OVERRIDE
     if want is None:
-        want = cdiv(SEGMENT_PROGRAMS_PER_SM * _sm_count(device), batch * nheads * n_ptiles)
+        ppsm = SEGMENT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+        want = cdiv(ppsm * _sm_count(device), batch * nheads * n_ptiles)
     nseg = max(1, min(n_blocks, want))
     per_seg = cdiv(n_blocks, nseg)
     return cdiv(n_blocks, per_seg), per_seg
@@ -168,11 +170,16 @@ def segment_count(batch: int, nheads: int, n_ptiles: int, n_blocks: int, device)
 SEGMENTS_OVERRIDE = None
 
 
+def segments_can_run(chunk_size: int, dstate: int) -> bool:
+    """The fused segment kernels exist for dstate <= 128 and chunks of at least one 64-token block."""
+    return dstate <= SEGMENT_MAX_DSTATE and chunk_size >= SEGMENT_BL
+
+
 def use_segments(chunk_size: int, dstate: int, blocks_per_seg: int) -> bool:
     """Whether chunk_scan runs the fused segment kernels (else the fwd_pass_state and compute_out kernels):
-    only where they can (dstate <= 128, chunks of >= 64 tokens) and were measured faster (short walks; see
+    only where they can (segments_can_run) and were measured faster (short walks; see
     common.SEGMENT_MAX_WALK). SEGMENTS_OVERRIDE forces either where they can."""
-    if dstate > SEGMENT_MAX_DSTATE or chunk_size < SEGMENT_BL:
+    if not segments_can_run(chunk_size, dstate):
         return False
     if SEGMENTS_OVERRIDE is not None:
         return bool(SEGMENTS_OVERRIDE)
@@ -392,7 +399,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
     candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
-    if dstate <= SEGMENT_MAX_DSTATE and chunk_size >= SEGMENT_BL:
+    if segments_can_run(chunk_size, dstate):
         candidates += [{"path": "fused", "ppsm": v} for v in (2, 4, 8, 16)]
     return default, candidates
 
@@ -461,13 +468,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     BL, TP = k["BL"], k["TP"]
     n_ptiles = cdiv(p, TP)
     n_blocks = cdiv(T, BL)
-    if SEGMENT_COUNT_OVERRIDE is None:
-        want = cdiv(config.get("ppsm", SEGMENT_PROGRAMS_PER_SM) * _sm_count(x.device), b * h * n_ptiles)
-    else:
-        want = SEGMENT_COUNT_OVERRIDE
-    nseg = max(1, min(n_blocks, want))
-    per_seg = cdiv(n_blocks, nseg)
-    nseg = cdiv(n_blocks, per_seg)
+    nseg, per_seg = segment_count(b, h, n_ptiles, n_blocks, x.device, config.get("ppsm"))
     dev = x.device
     nchunks = dt_out.shape[2]
     mma_dtype = _common_dtype(x, B, C, z)

@@ -15,7 +15,6 @@ import torch
 
 from ..meta.shapes import num_chunks
 from ..reference import chunked_backward as ref_bwd
-from ..reference.chunked import seq_chunks
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .compute_out_bwd import (out_bwd_dcb_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dw_kernel,
@@ -115,18 +114,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
 
     # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
     g_w = g_w_part.sum(2).view(b, h, nchunks, L)
-    last = csk[..., -1:]
-    arg = last - csk
-    carry = torch.exp(last[..., 0])
-    if seq_idx is not None:
-        sq, prev = seq_chunks(seq_idx, L)
-        arg = arg.masked_fill((sq != sq[..., -1:]).unsqueeze(1), float("-inf"))
-        carry = carry * (sq[..., -1] == prev).unsqueeze(1)
-    decay = torch.exp(arg)
-    g_dt = g_w * decay
-    gw_w = g_w * decay * dtk
-    g_cs = -gw_w
-    g_cs[..., -1] += gw_w.sum(-1) + g_carry_part.sum(-1) * carry
+    decay, carry = ref_bwd.chunk_end_decays(csk, seq_idx, L)
+    g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, g_carry_part.sum(-1), carry)
     g_dt = g_dt.to(dt_out.dtype)
     g_cs = g_cs.to(dA_cumsum.dtype)
     if initial_states is None:
@@ -163,15 +152,10 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
     gy = g_y.float()
     g_D = g_z = None
-    Dv = None
-    if D is not None:
-        Dv = D.float()[:, None] if D.dim() == 1 else D.float()
     if z is not None:
         y1 = compute_out(x, dt_out, dA_cumsum, C, B, states, D, None, seq_idx).float()
-        zf = z.float()
-        sz = torch.sigmoid(zf)
-        g_z = (gy * y1 * (sz * (1 + zf * (1 - sz)))).to(z.dtype)
-        gy = gy * (zf * sz)
+        g_z, gy = ref_bwd.gate_grads(gy, y1, z.float())
+        g_z = g_z.to(z.dtype)
     G = gy.contiguous()
 
     # C . B^T per (chunk, group), as in the forward.
@@ -203,10 +187,10 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     launch._launch((nchunks * h * n_ptiles * n_ntiles, b, 1), out_bwd_dstates_kernel,
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
-    if Dv is not None:
-        g_x = g_x + G * Dv
-        g_D = (G * x.float()).sum((0, 1))
-        g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
+    if D is not None:
+        g_x_D, g_D = ref_bwd.skip_grads(G, x.float(), D.float())
+        g_x = g_x + g_x_D
+        g_D = g_D.to(D.dtype)
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
     g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
     empty = g_y.new_empty((0,))

@@ -95,6 +95,29 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 # fwd_pass_state
 # ---------------------------------------------------------------------------------------------------------
 
+def chunk_end_decays(cs, seq_idx, L):
+    """(decay, carry): exp(cs_L - cs_l), zero off the sequence of the chunk's last token, (b, h, c, l); and
+    the entering state's decay across each chunk, exp(cs_L), zero where the chunk's last token starts another
+    sequence, (b, h, c)."""
+    last = cs[..., -1:]
+    arg = last - cs
+    carry = torch.exp(last[..., 0])
+    if seq_idx is not None:
+        seq, prev = seq_chunks(seq_idx, L)
+        arg = arg.masked_fill((seq != seq[..., -1:]).unsqueeze(1), _NEG_INF)
+        carry = carry * (seq[..., -1] == prev).unsqueeze(1)
+    return torch.exp(arg), carry
+
+
+def token_weight_grads(g_w, decay, w, g_carry, carry):
+    """Gradients of dt_out and dA_cumsum from those of the token weights w = decay dt (g_w, (b, h, c, l)) and
+    of the carries (g_carry, (b, h, c)): dw = w (dcs_L - dcs_l), dcarry = carry dcs_L."""
+    gw_w = g_w * w
+    g_last = gw_w.sum(-1) + g_carry * carry
+    g_cs = torch.cat([-gw_w[..., :-1], g_last[..., None] - gw_w[..., -1:]], dim=-1)
+    return g_w * decay, g_cs
+
+
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
                        cu_seqlens):
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (an empty tensor like g_states when it is
@@ -107,14 +130,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     xc = to_chunks(x.to(acc), L)  # b c l h p
     Bc = to_chunks(B.to(acc), L)  # b c l g n
     cs = dA_cumsum.to(acc)
-    last = cs[..., -1:]  # b h c 1
-    arg = last - cs
-    carry = torch.exp(last[..., 0])  # b h c
-    if seq_idx is not None:
-        seq, prev = seq_chunks(seq_idx, L)
-        arg = arg.masked_fill((seq != seq[..., -1:]).unsqueeze(1), _NEG_INF)
-        carry = carry * (seq[..., -1] == prev).unsqueeze(1)
-    decay = torch.exp(arg)  # b h c l: exp(cs_L - cs_l), 0 off the chunk-end sequence
+    decay, carry = chunk_end_decays(cs, seq_idx, L)  # b h c l, b h c
     w = decay * dt_out.to(acc)
     w_t = w.permute(0, 2, 3, 1)  # b c l h
 
@@ -153,11 +169,9 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         g_x = g_x + gLB * w_t[..., None]
         g_B = g_B + torch.einsum("bcgrpn,bclgrp->bclgn", gl, by_group(xc * w_t[..., None], g, 3))
         g_w = (gLB * xc).sum(-1).permute(0, 3, 1, 2)  # b h c l
-        g_dt = g_dt + g_w * decay
-        gw_w = g_w * w  # w = exp(cs_L - cs_l) dt_l: d w = w (dcs_L - dcs_l)
-        g_cs = g_cs - gw_w
-        g_last = gw_w.sum(-1) + torch.stack(g_carry, dim=2) * carry  # b h c
-        g_cs = torch.cat([g_cs[..., :-1], g_cs[..., -1:] + g_last[..., None]], dim=-1)
+        d_dt, d_cs = token_weight_grads(g_w, decay, w, torch.stack(g_carry, dim=2), carry)
+        g_dt = g_dt + d_dt
+        g_cs = g_cs + d_cs
 
     inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states)
     grads = (_unchunk(g_x, T), _unchunk(g_B, T), g_dt, g_cs)
@@ -211,6 +225,19 @@ def _varlen_states_bwd(gV, xc, Bc, dt_out, cs, states, cu_seqlens, g_st, g_x, g_
 # compute_out
 # ---------------------------------------------------------------------------------------------------------
 
+def gate_grads(g_y, y1, z):
+    """y = y1 silu(z): (g_z, g_y1), with silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))."""
+    sz = torch.sigmoid(z)
+    return g_y * y1 * (sz * (1 + z * (1 - sz))), g_y * (z * sz)
+
+
+def skip_grads(g_y1, x, D):
+    """y1 = y0 + D x, D of shape (h,) or (h, p): (the x gradient D g_y1, g_D summed over batch and tokens)."""
+    Dv = D[:, None] if D.dim() == 1 else D
+    g_D = (g_y1 * x).sum((0, 1))  # (h, p)
+    return g_y1 * Dv, (g_D.sum(-1) if D.dim() == 1 else g_D)
+
+
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     """Gradients of x, dt_out, dA_cumsum, C, B, states, D and z (the last two an empty tensor like g_y when
     absent). Recomputes the (L x L) weights, and the pre-gate output when z is given."""
@@ -241,22 +268,17 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
 
     gy = g_y.to(acc)
     g_z = g_D = None
-    Dv = None if D is None else (D.to(acc)[:, None] if D.dim() == 1 else D.to(acc))
+    Da = None if D is None else D.to(acc)
     if z is not None:
         # y1, the output before the gate, again (in the compute dtype, as the forward had it).
         y1 = torch.einsum("bgrcls,bcsgrp->bclgrp", W, xc) + inter_t * CS
         y1 = y1.reshape(b, -1, h, p)[:, :T]
-        if Dv is not None:
-            y1 = y1 + xa * Dv
-        za = z.to(acc)
-        sz = torch.sigmoid(za)
-        g_z = gy * y1 * (sz * (1 + za * (1 - sz)))
-        gy = gy * (za * sz)
+        if Da is not None:
+            y1 = y1 + xa * (Da[:, None] if Da.dim() == 1 else Da)
+        g_z, gy = gate_grads(gy, y1, z.to(acc))
     g_x_D = None
-    if Dv is not None:
-        g_D = (gy * xa).sum((0, 1))  # (h, p)
-        g_D = g_D.sum(-1) if D.dim() == 1 else g_D
-        g_x_D = gy * Dv
+    if Da is not None:
+        g_x_D, g_D = skip_grads(gy, xa, Da)
 
     dY = by_group(to_chunks(gy, L), g, 3)  # b c l g r p, zero on the padded tail
     # inter-chunk term: i_l C_l . S_c
