@@ -89,6 +89,46 @@ def test_forward_kernels(kw):
     _check(y, y_ref, "y", dtype, "y")
 
 
+@pytest.mark.parametrize("chunk_size,seqlen", [(16, 48), (64, 192), (128, 256), (256, 512)])
+@pytest.mark.parametrize("seq_idx,xt", [(False, False), (True, False), (False, True)])
+def test_in_bounds_kernels_skip_bounds_checks(chunk_size, seqlen, seq_idx, xt):
+    """Tile-aligned shapes take chunk_state's and compute_out's unchecked loads (CHK=False; the emulator
+    raises if such a load leaves its array), and chunk_state's transposed load of x (XT) gives the same
+    states."""
+    case = make_case(dtype=torch.bfloat16, chunk_size=chunk_size, batch=2, seqlen=seqlen, nheads=4, ngroups=2,
+                     headdim=64, dstate=128, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")),
+                     D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=seqlen, device="cpu")
+    assert launch.tiles_in_bounds(seqlen, 64, 128, chunk_size)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    launch.CONSTANT_OVERRIDE["chunk_state"] = {"XT": xt}
+    try:
+        with emulated_kernels():
+            st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                                case["initial_states"], case["seq_idx"], None)
+            y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
+                                   mid["states"], case["D"], case["z"], case["seq_idx"])
+    finally:
+        launch.CONSTANT_OVERRIDE.clear()
+    _check(st_, mid["states"], "states", torch.bfloat16, "states")
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
+    _check(y, y_ref, "y", torch.bfloat16, "y")
+
+
+def test_unchecked_load_outside_array_raises():
+    """The emulator's guard for CHK=False: a launcher that promised in-bounds tiles for a ragged shape fails."""
+    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=1, seqlen=100, nheads=2, ngroups=1, headdim=64,
+                     dstate=64, dt_softplus=False, dt_bias=False, dt_limit=(0.0, float("inf")), D=None, z=False,
+                     initial_states=False, seq_idx=False, nseqs=1, seed=1, device="cpu")
+    _, _, _, mid = reference_forward(case)
+    launch.CONSTANT_OVERRIDE["compute_out"] = {"CHK": False}
+    try:
+        with emulated_kernels(), pytest.raises(IndexError, match="check_bounds=False"):
+            launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                               None, None, None)
+    finally:
+        launch.CONSTANT_OVERRIDE.clear()
+
+
 @given(cases(), st.sampled_from([True, None]))
 @SWEEP
 def test_chunk_scan(kw, path):

@@ -8,6 +8,8 @@ cuda.tile the kernels use, implemented in PyTorch:
   shape[i] (shape () reads the element at index); elements outside the array read as zero under
   PaddingMode.ZERO and as NaN (integers: INT_POISON) otherwise, so that a kernel relying on an unpadded
   out-of-bounds load shows up as NaN in its outputs instead of passing by luck.
+  A load with check_bounds=False that reaches outside the array raises (undefined behaviour on a GPU);
+  order= permutes the array's axes first, as cuTile does.
 - ct.store writes the in-bounds part of the tile (like cuTile, which clips).
 - ct.mma(a, b, acc) = acc + a @ b in float32 (inputs already rounded to their dtype; tf32 rounding is
   applied where the kernel converts to ct.tfloat32).
@@ -69,10 +71,16 @@ class _Emu:
             return index, (1,) * len(index)
         return tuple(i * s for i, s in zip(index, shape)), shape
 
-    def load(self, array, index, shape, padding_mode=None, latency=None, **_):
+    def load(self, array, index, shape, padding_mode=None, latency=None, order="C", check_bounds=True, **_):
+        if order != "C":
+            array = array.permute(tuple(range(array.dim()))[::-1] if order == "F" else tuple(order))
         origin, ext = self._origin(index, tuple(shape))
         if len(origin) != array.dim():
             raise IndexError(f"load: index {index} for a {array.dim()}-d array")
+        if not check_bounds and any(o < 0 or o + e > n for o, e, n in zip(origin, ext, array.shape)):
+            # Undefined on a GPU (no bounds check): the launcher promised the tile is inside.
+            raise IndexError(f"load with check_bounds=False outside the array: index {index}, tile {tuple(shape)}, "
+                             f"array {tuple(array.shape)}")
         fill = 0 if padding_mode == real_ct.PaddingMode.ZERO else (
             float("nan") if array.is_floating_point() else INT_POISON)
         out = torch.full(ext, fill, dtype=array.dtype)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import Big, ConstBool, ConstInt, load_tile
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -30,7 +30,8 @@ _ZERO = ct.PaddingMode.ZERO
 @ct.kernel
 def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
                        seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
-                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
+                       CHK: ConstBool, XT: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -42,7 +43,7 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     g = h // heads_per_group
     mma_dtype = x.dtype
 
-    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
+    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=(), check_bounds=False)
     if HAS_SEQ:
         seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
 
@@ -50,16 +51,21 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     # Sub-blocks wholly past seqlen are skipped: a tile entirely outside an array is undefined to load.
     n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
     for sb in range(n_sub):
-        cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
-        dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+        cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         w = ct.exp(cs_last - cs) * dt
         row = c * (L // BL) + sb
         if HAS_SEQ:
-            seq = ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+            seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((BL,))
             w = ct.where(seq == seq_last, w, 0.0)
-        xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
+        bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
         bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
+        if XT:
+            # x^T read as such: axes (b, p, h, t) of x.
+            xt = load_tile(x, (b, pt, h, row), (1, TP, 1, BL), CHK, order=(0, 3, 2, 1)).reshape((TP, BL))
+            s = ct.mma(xt.astype(mma_dtype), bw, s)
+        else:
+            xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+            s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
 
     ct.store(states, (b, c, h, pt, nt), s.reshape((1, 1, 1, TP, TN)))

@@ -78,3 +78,14 @@ def supported_chunk_size(chunk_size: int) -> bool:
 
 def cdiv(a, b):
     return (a + b - 1) // b
+
+
+def load_tile(array, index, shape, CHK, order="C"):
+    """A zero-padded, bounds-checked tile load; or, with CHK False (the launcher found every tile inside its
+    array: launch.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.
+    tileiras 13.4 rejects check_bounds=False together with a padding mode, hence the two calls."""
+    if CHK:
+        t = ct.load(array, index, shape=shape, order=order, padding_mode=ct.PaddingMode.ZERO)
+    else:
+        t = ct.load(array, index, shape=shape, order=order, check_bounds=False)
+    return t

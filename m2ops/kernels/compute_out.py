@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import Big, ConstBool, ConstInt, load_tile
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -30,7 +30,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        seq_idx: Big, y: Big,
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
-                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
+                       CHK: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -44,48 +45,63 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     mma_dtype = x.dtype
     n_ntiles = (dstate + TN - 1) // TN
 
-    cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL)).reshape((BL,))
-    rows = m * BL + ct.arange(BL, dtype=ct.int32)   # positions inside the chunk
-
-    # Inter-chunk term from the state entering the chunk.
-    acc = ct.zeros((BL, TP), dtype=ct.float32)
-    for k in range(n_ntiles):
-        ci = ct.load(C, (b, rb, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        st = ct.load(states, (b, c, h, pt, k), shape=(1, 1, 1, TP, TN),
-                     padding_mode=_ZERO).reshape((TP, TN))
-        acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
-                     ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
-    scale = ct.exp(cs_i)
+    # The chunked intermediates (dA_cumsum, dt_out, cb) are padded to whole chunks: never out of bounds.
+    cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+    dt_i = ct.load(dt_out, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+    # Reference point s = the token before this row block (the chunk start, cs = 0, for the first block):
+    # for i > s >= j, exp(cs_i - cs_j) = exp(cs_i - cs_s) * exp(cs_s - cs_j), both factors <= 1 (cs falls).
+    # Below the diagonal block the decay is then a row scale times a column scale, so those blocks need no
+    # (BL x BL) exp or mask; only the diagonal block does.
+    cs_s = ct.load(dA_cumsum, (b, h, c, ct.maximum(m * BL - 1, 0)), shape=(), check_bounds=False)
+    cs_s = ct.where(m == 0, 0.0, cs_s)
     if HAS_SEQ:
-        seq_i = ct.load(seq_idx, (b, rb), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+        seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
-        scale = ct.where(seq_i == seq_prev, scale, 0.0)
-    acc = acc * scale[:, None]
 
-    # Intra-chunk term: column blocks up to and including the diagonal one.
-    for jb in range(m + 1):
+    # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
+    acc = ct.zeros((BL, TP), dtype=ct.float32)
+    for k in range(n_ntiles):
+        ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
+        acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
+                     ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
+    if HAS_SEQ:
+        acc = acc * ct.where(seq_i == seq_prev, ct.exp(cs_s), 0.0)[:, None]
+    else:
+        acc = acc * ct.exp(cs_s)
+
+    # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
+    for jb in range(m):
         jrow = c * blocks_per_chunk + jb
-        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
-        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL)).reshape((BL,))
-        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL)).reshape((BL,))
-        cols = jb * BL + ct.arange(BL, dtype=ct.int32)
-        keep = rows[:, None] >= cols[None, :]
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        wgt = cbt * (ct.exp(cs_s - cs_j) * dt_j)[None, :]
         if HAS_SEQ:
-            seq_j = ct.load(seq_idx, (b, jrow), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-            keep = keep & (seq_i[:, None] == seq_j[None, :])
-        # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
-        decay = ct.exp(ct.where(keep, cs_i[:, None] - cs_j[None, :], -float("inf")))
-        wgt = cbt * decay * dt_j[None, :]
-        xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
+        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
+    acc = acc * ct.exp(cs_i - cs_s)[:, None]
+
+    # The diagonal block: causal mask (and same sequence), decay formed per element.
+    rows = ct.arange(BL, dtype=ct.int32)
+    keep = rows[:, None] >= rows[None, :]
+    if HAS_SEQ:
+        keep = keep & (seq_i[:, None] == seq_i[None, :])
+    # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
+    decay = ct.exp(ct.where(keep, cs_i[:, None] - cs_i[None, :], -float("inf")))
+    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+    wgt = cbt * decay * dt_i[None, :]
+    xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+    acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
 
     if has_d != 0:
-        xi = ct.load(x, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO)
+        dv = load_tile(D, (h, pt), (1, TP), CHK)
         acc = acc + xi.astype(ct.float32) * dv.astype(ct.float32)
     if has_z != 0:
-        zi = ct.load(z, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        zi = load_tile(z, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         zf = zi.astype(ct.float32)
         acc = acc * (zf / (1.0 + ct.exp(-zf)))
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))

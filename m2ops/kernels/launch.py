@@ -52,8 +52,18 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-def chunk_state_constants(chunk_size: int, has_seq: bool) -> dict:
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
+             CHK=bool(check), XT=False)
+    k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
+    return k
+
+
+def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, chunk_size: int) -> bool:
+    """Whether every (row block, headdim tile, dstate tile) of the chunk_state and compute_out kernels lies
+    inside the arrays, so that their loads can skip bounds checks (CHK=False: fewer integer instructions
+    per element; those kernels were issue-bound on an H200)."""
+    return seqlen % sub_block(chunk_size) == 0 and headdim % TILE_P == 0 and dstate % TILE_N == 0
 
 
 def state_passing_constants(block: int, has_seq: bool) -> dict:
@@ -104,6 +114,8 @@ _OCCUPANCY = {
 }
 # kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
 HINT_OVERRIDE: dict = {}
+# kernel name -> constants that replace the launcher's (profiling experiments); empty in normal use.
+CONSTANT_OVERRIDE: dict = {}
 
 
 def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
@@ -139,8 +151,11 @@ def varlen_states_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N)
 
 
-def compute_out_constants(chunk_size: int, has_seq: bool) -> dict:
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
+             CHK=bool(check))
+    k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
+    return k
 
 
 def segment_constants(dstate: int, has_seq: bool) -> dict:
@@ -309,11 +324,11 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    k = chunk_state_constants(L, has_seq)
+    k = chunk_state_constants(L, has_seq, not tiles_in_bounds(T, p, n, L))
     _launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
              T, h, h // g, n_ntiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["XT"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n
@@ -360,12 +375,12 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
     n_ptiles = cdiv(p, TILE_P)
-    k = compute_out_constants(L, seq_idx is not None)
+    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, L))
     _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
             (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
              _as(states, torch.float32), Dk, zk, seq, y,
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

@@ -170,14 +170,16 @@ def all_specs() -> list[Spec]:
         for L in CHUNK_SIZES:
             out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
             for has_seq in (False, True):
-                out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq),
-                                _params("chunk_state", dt), _hints("chunk_state", dt, L)))
+                for check in (True, False):
+                    out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check),
+                                    _params("chunk_state", dt), _hints("chunk_state", dt, L)))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt)))
             for has_seq in (False, True):
-                out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq),
-                                _params("compute_out", dt), _hints("compute_out", dt, L)))
+                for check in (True, False):
+                    out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check),
+                                    _params("compute_out", dt), _hints("compute_out", dt, L)))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
         for nt in SEGMENT_NTS:

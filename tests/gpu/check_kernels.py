@@ -96,6 +96,12 @@ def small_cases():
                ngroups=2, headdim=8, dstate=24, D="hp", cu_seqlens=True, nseqs=5, initial_states=True)
     check_case("fp32 L256 T300 seq init", dtype=torch.float32, chunk_size=256, seqlen=300, batch=2,
                nheads=2, headdim=32, dstate=32, seq_idx=True, initial_states=True, D="h", z=True)
+    # Tile-aligned shapes: chunk_state and compute_out take their unchecked loads (launch.tiles_in_bounds).
+    check_case("bf16 L256 T1024 aligned seq z D init", dtype=torch.bfloat16, chunk_size=256, seqlen=1024,
+               batch=2, nheads=4, ngroups=2, headdim=64, dstate=128, seq_idx=True, z=True, D="h",
+               initial_states=True)
+    check_case("fp16 L64 T512 aligned N64 Dhp", dtype=torch.float16, chunk_size=64, seqlen=512, nheads=3,
+               headdim=128, dstate=64, D="hp", initial_states=True)
 
 
 def full_cases():

@@ -1,0 +1,86 @@
+"""Kernel variants of the two-op forward path side by side on a GPU, as a script (the experiments behind
+docs/performance-log.md):
+
+    python tests/gpu/variants_scan.py [--shapes 16K:128,64K:256] [--chunk 256] [--json OUT/variants.json]
+
+Each variant sets launch.CONSTANT_OVERRIDE / launch.HINT_OVERRIDE (compile-time constants and ct.kernel hints
+of chunk_state and compute_out), runs the public call, checks y and the final state against the default's
+(relative error), and reports the median call time and each kernel's time (torch profiler). Shapes as
+profile_scan.py: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states. Tuning is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_kernels import _kernel_times, _median_ms  # noqa: E402
+from gpu_cases import make_case, public_call, rel_err  # noqa: E402
+
+from m2ops.bench.shapes import parse_sizes  # noqa: E402
+from m2ops.kernels import launch  # noqa: E402
+
+# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE)
+VARIANTS = {
+    "default": ({}, {}),
+    "bounds-checked": ({"chunk_state": {"CHK": True}, "compute_out": {"CHK": True}}, {}),
+    "x^T load": ({"chunk_state": {"XT": True}}, {}),
+    "out occ 2": ({}, {"compute_out": {"occupancy": 2}}),
+    "out occ 4": ({}, {"compute_out": {"occupancy": 4}}),
+    "state occ 2": ({}, {"chunk_state": {"occupancy": 2}}),
+    "state occ 4": ({}, {"chunk_state": {"occupancy": 4}}),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16K:128,64K:256")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for spec in args.shapes.split(","):
+        t_s, n_s = spec.split(":")
+        T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
+        case = make_case(seqlen=T, nheads=80, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
+                         initial_states=True, chunk_size=L)
+        case["dt"] = case["dt"].float()
+        call = lambda: public_call(case, return_final_states=True)  # noqa: E731
+        y0, fin0 = call()
+        for name in args.variants.split(","):
+            consts, hints = VARIANTS[name]
+            launch.CONSTANT_OVERRIDE.clear()
+            launch.CONSTANT_OVERRIDE.update(consts)
+            launch.HINT_OVERRIDE.clear()
+            launch.HINT_OVERRIDE.update(hints)
+            t0 = time.time()
+            try:
+                y, fin = call()
+                r = dict(T=T, N=N, L=L, variant=name, err_y=rel_err(y, y0), err_final=rel_err(fin, fin0),
+                         ms=_median_ms(call), kernels=_kernel_times(call))
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                r = dict(T=T, N=N, L=L, variant=name, error=f"{type(e).__name__}: {e}"[:300])
+            finally:
+                launch.CONSTANT_OVERRIDE.clear()
+                launch.HINT_OVERRIDE.clear()
+            rows.append(r)
+            if "error" in r:
+                print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
+                continue
+            ks = "  ".join(f"{k} {v:.3f}" for k, v in r["kernels"].items())
+            print(f"T={T} N={N} {name:15s} {r['ms']:.3f} ms  err y {r['err_y']:.1e} fin {r['err_final']:.1e}  "
+                  f"({time.time() - t0:.0f}s)  {ks}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
