@@ -31,7 +31,7 @@ _ZERO = ct.PaddingMode.ZERO
 def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
                        seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, XT: ConstBool):
+                       CHK: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -60,12 +60,7 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             w = ct.where(seq == seq_last, w, 0.0)
         bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
         bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        if XT:
-            # x^T read as such: axes (b, p, h, t) of x.
-            xt = load_tile(x, (b, pt, h, row), (1, TP, 1, BL), CHK, order=(0, 3, 2, 1)).reshape((TP, BL))
-            s = ct.mma(xt.astype(mma_dtype), bw, s)
-        else:
-            xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-            s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
+        xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
 
     ct.store(states, (b, c, h, pt, nt), s.reshape((1, 1, 1, TP, TN)))

@@ -31,7 +31,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool):
+                       CHK: ConstBool, SBF: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -64,8 +64,11 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     for k in range(n_ntiles):
         ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
         st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
-        acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
-                     ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
+        if SBF:
+            acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
+        else:
+            acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
+                         ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
     if HAS_SEQ:
         acc = acc * ct.where(seq_i == seq_prev, ct.exp(cs_s), 0.0)[:, None]
     else:

@@ -54,7 +54,7 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
 
 def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check), XT=False)
+             CHK=bool(check))
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
 
@@ -104,6 +104,9 @@ def chunk_cb_constants(chunk_size: int) -> dict:
 # Not searched through autotune.py: each candidate hint is a separate compile (seconds each, too slow for a
 # first call), and state_passing runs in place, so a timed candidate would overwrite its own input.
 _OCCUPANCY = {
+    # bfloat16 at chunk 256 with the bf16 state product (compute_out_constants SBF): 0.562 -> 0.522 ms with
+    # 4 instead of 3 (T=16K N=128), 2.807 -> 2.637 (T=64K N=256). Entries by dtype override the class's.
+    ("compute_out", "bfloat16", 256): 4,
     ("compute_out", "16bit", 32): 3,
     ("compute_out", "16bit", 64): 3,
     ("compute_out", "16bit", 128): 3,
@@ -124,7 +127,7 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
     if kernel_name in HINT_OVERRIDE:
         return dict(HINT_OVERRIDE[kernel_name])
     dclass = "16bit" if dtype in ("float16", "bfloat16") else dtype
-    occ = _OCCUPANCY.get((kernel_name, dclass, chunk_size))
+    occ = _OCCUPANCY.get((kernel_name, dtype, chunk_size), _OCCUPANCY.get((kernel_name, dclass, chunk_size)))
     return {} if occ is None else {"occupancy": occ}
 
 
@@ -151,9 +154,13 @@ def varlen_states_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N)
 
 
-def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
+def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dtype: str = "float32") -> dict:
+    """SBF: the inter-chunk product C . S^T in bfloat16 (states rounded from float32) for bfloat16 inputs,
+    whose range is float32's; float16 (overflow) and float32 keep the tf32 product. Measured on an H200
+    (tests/gpu/variants_scan.py, T=16K N=128 / T=64K N=256, chunk 256): compute_out 0.598 -> 0.522 and
+    3.053 -> 2.637 ms together with occupancy 4; y moved by 2e-4 relative."""
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check))
+             CHK=bool(check), SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
     return k
 
@@ -328,7 +335,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     _launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
              T, h, h // g, n_ntiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["XT"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n
@@ -375,12 +382,12 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
     n_ptiles = cdiv(p, TILE_P)
-    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, L))
+    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, L), _dtype_name(mma_dtype))
     _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
             (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
              _as(states, torch.float32), Dk, zk, seq, y,
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]))
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

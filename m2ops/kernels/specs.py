@@ -178,7 +178,7 @@ def all_specs() -> list[Spec]:
             out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt)))
             for has_seq in (False, True):
                 for check in (True, False):
-                    out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check),
+                    out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
                                     _params("compute_out", dt), _hints("compute_out", dt, L)))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:

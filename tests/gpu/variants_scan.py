@@ -30,11 +30,12 @@ from m2ops.kernels import launch  # noqa: E402
 VARIANTS = {
     "default": ({}, {}),
     "bounds-checked": ({"chunk_state": {"CHK": True}, "compute_out": {"CHK": True}}, {}),
-    "x^T load": ({"chunk_state": {"XT": True}}, {}),
     "out occ 2": ({}, {"compute_out": {"occupancy": 2}}),
     "out occ 4": ({}, {"compute_out": {"occupancy": 4}}),
     "state occ 2": ({}, {"chunk_state": {"occupancy": 2}}),
     "state occ 4": ({}, {"chunk_state": {"occupancy": 4}}),
+    "out tf32 state": ({"compute_out": {"SBF": False}}, {}),
+    "out occ 3": ({}, {"compute_out": {"occupancy": 3}}),
 }
 
 
