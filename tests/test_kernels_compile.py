@@ -61,11 +61,16 @@ def test_specialisations_are_enumerated():
         s.signature()  # every signature is well formed for its kernel
 
 
+# The 32-bit-indexed twins (Spec.narrow) are compiled for sm_90 only: the same code as their 64-bit
+# originals, compiled for every architecture; this keeps CI's compile time in bounds.
+TWIN_ARCHS = ("sm_90",)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_specialisation_compiles(arch):
     from m2ops.kernels.specs import all_specs
-    n = len(all_specs())
+    todo = [i for i, s in enumerate(all_specs()) if not s.narrow or arch in TWIN_ARCHS]
     workers = max(1, min(os.cpu_count() or 1, 16))
     with cf.ProcessPoolExecutor(max_workers=workers) as pool:
-        errors = [e for e in pool.map(_compile, range(n), [arch] * n) if e is not None]
-    assert not errors, f"{len(errors)} of {n} specialisations failed to compile:\n" + "\n".join(errors)
+        errors = [e for e in pool.map(_compile, todo, [arch] * len(todo)) if e is not None]
+    assert not errors, f"{len(errors)} of {len(todo)} specialisations failed to compile:\n" + "\n".join(errors)

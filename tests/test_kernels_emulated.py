@@ -205,7 +205,7 @@ def test_unpadded_out_of_bounds_loads_are_poisoned():
     assert torch.equal(z, torch.tensor([8.0, 9.0, 0.0, 0.0]))
 
 
-# ---- backward kernels (m2ops/kernels/launch_bwd.py; not yet enabled on CUDA) ----
+# ---- backward kernels (m2ops/kernels/launch_bwd.py) ----
 
 # Gradients: products with the float32 cotangents run in tf32 (u = 2^-11) and g_x / g_B / g_dt are rounded to
 # their inputs' dtypes (2^-11 float16, 2^-8 bfloat16): normwise errors average below those.

@@ -12,8 +12,8 @@
                                               states, no per-chunk states in memory
     state_update.py    state_update_kernel    one decode token: new state and y (the state_update op)
     chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py
-                       the backward kernels of the three ops, launched by launch_bwd.py (not exported yet:
-                       enabled after tests/gpu/test_backward_kernels.py passes on a GPU)
+                       the backward kernels of the three ops (the CUDA implementations of the *_bwd ops),
+                       launched by launch_bwd.py
     launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)
@@ -31,7 +31,8 @@ except ImportError:
 else:
     # Imported after the kernel modules of the same names, so these names are the launchers.
     from .launch import chunk_cumsum, chunk_scan, compute_out, fwd_pass_state, state_update
+    from .launch_bwd import chunk_cumsum_bwd, compute_out_bwd, fwd_pass_state_bwd
     from .specs import all_specs
 
     __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",
-               "unavailable_reason", "all_specs"]
+               "chunk_cumsum_bwd", "fwd_pass_state_bwd", "compute_out_bwd", "unavailable_reason", "all_specs"]

@@ -29,7 +29,7 @@ import cuda.tile as ct
 from ..meta.shapes import cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
-from . import autotune
+from . import autotune, index_width
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
@@ -279,7 +279,7 @@ def _dtype_name(dtype) -> str:
 
 
 def _launch(grid, kernel, args):
-    ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+    ct.launch(torch.cuda.current_stream(), grid, index_width.for_args(kernel, args), args)
 
 
 # ---- the three ops ----

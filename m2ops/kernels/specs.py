@@ -20,12 +20,13 @@ actual strides and alignment, as it does for any kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from . import launch, launch_bwd
+from . import index_width, launch, launch_bwd
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
@@ -54,17 +55,18 @@ class Spec:
     hints: tuple = ()
     # Other array dtypes that tell specialisations apart, as (role, dtype) items (state_update: dt, state).
     dtypes: tuple = ()
+    # The 32-bit-indexed twin (index_width.narrow_twin) that launches take where the arrays fit.
+    narrow: bool = False
 
     @property
     def kernel(self):
-        if self.hints:
-            return launch._hinted(self.kernel_name, self.hints)
-        return _KERNELS[self.kernel_name]
+        k = launch._hinted(self.kernel_name, self.hints) if self.hints else _KERNELS[self.kernel_name]
+        return index_width.narrow_twin(k) if self.narrow else k
 
     @property
     def name(self) -> str:
         consts = ",".join(f"{k}={v}" for k, v in (*self.dtypes, *self.constants.items(), *self.hints))
-        return f"{self.kernel_name}[{self.dtype},{consts}]"
+        return f"{self.kernel_name}[{self.dtype},{consts}{',index32' if self.narrow else ''}]"
 
     def signature(self) -> KernelSignature:
         return _signature(self.kernel, self.params, self.constants)
@@ -191,7 +193,7 @@ def all_specs() -> list[Spec]:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
-    # Backward kernels (launch_bwd.py; not yet enabled on CUDA, compiled all the same). Apart from
+    # Backward kernels (launch_bwd.py). Apart from
     # chunk_cumsum_bwd they take the chunk size at run time: one specialisation per token block it implies.
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
@@ -220,6 +222,8 @@ def all_specs() -> list[Spec]:
                     out.append(Spec("state_update", dt, launch.state_update_constants(tn),
                                     _params("state_update", dt, dt_dtype, state_dtype),
                                     dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+    # Each with 64-bit-indexed arrays also as its 32-bit twin.
+    out += [dataclasses.replace(s, narrow=True) for s in out if index_width.has_wide_arrays(s.kernel)]
     return out
 
 

@@ -31,6 +31,7 @@ def chunk_cumsum_bwd(g_dt_out: Tensor, g_dA_cumsum: Tensor, dt: Tensor, A: Tenso
 chunk_cumsum.register_fake(fake.chunk_cumsum)
 chunk_cumsum.register_kernel("cuda")(dispatch.cuda_impl("chunk_cumsum", ref.chunk_cumsum))
 chunk_cumsum_bwd.register_fake(fake.chunk_cumsum_bwd)
+chunk_cumsum_bwd.register_kernel("cuda")(dispatch.cuda_impl("chunk_cumsum_bwd", bwd.chunk_cumsum_bwd))
 
 
 def _setup(ctx, inputs, output):

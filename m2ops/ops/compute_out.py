@@ -31,6 +31,7 @@ def compute_out_bwd(g_y: Tensor, x: Tensor, dt_out: Tensor, dA_cumsum: Tensor, C
 compute_out.register_fake(fake.compute_out)
 compute_out.register_kernel("cuda")(dispatch.cuda_impl("compute_out", ref.compute_out))
 compute_out_bwd.register_fake(fake.compute_out_bwd)
+compute_out_bwd.register_kernel("cuda")(dispatch.cuda_impl("compute_out_bwd", bwd.compute_out_bwd))
 
 
 def _setup(ctx, inputs, output):

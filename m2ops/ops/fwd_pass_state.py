@@ -32,6 +32,7 @@ def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: T
 fwd_pass_state.register_fake(fake.fwd_pass_state)
 fwd_pass_state.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state", ref.fwd_pass_state))
 fwd_pass_state_bwd.register_fake(fake.fwd_pass_state_bwd)
+fwd_pass_state_bwd.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state_bwd", bwd.fwd_pass_state_bwd))
 
 
 def _setup(ctx, inputs, output):

@@ -1,8 +1,6 @@
 """The backward kernels (m2ops/kernels/launch_bwd.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd)
-on a GPU against the reference backward formulas.
-
-They are not yet enabled (m2ops/kernels/__init__.py does not export them, so the ops' autograd runs the PyTorch
-formulas on CUDA); this file must pass on a GPU first:
+on a GPU against the reference backward formulas, and the public function's gradients on CUDA (autograd
+through the *_bwd ops, whose CUDA implementations they are) against the reference's on the CPU:
 
     python -m pytest -q -m gpu tests/gpu/test_backward_kernels.py
 
@@ -107,3 +105,37 @@ def test_compute_out_backward_kernels(kw, D, z):
     for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+
+
+GRAD_LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@given(cases(), st.sampled_from([None, "h", "hp"]), st.booleans())
+@sweep_settings(6)
+def test_public_function_gradients(kw, D, z):
+    """Every input's gradient through the ops' autograd on CUDA (the backward kernels) against the
+    reference's autograd on the CPU in float32, from the same rounded inputs and cotangents. Tolerance: twice
+    the kernel-level one (the forward's own rounding enters the gradients of dt, A and dt_bias)."""
+    from m2ops import mamba_chunk_scan_combined
+    case = make_case(**kw, D=D, z=z)
+    gen = torch.Generator().manual_seed(kw["seed"])
+
+    def run(c):
+        leaves = {k: c[k].detach().requires_grad_() for k in GRAD_LEAVES if c[k] is not None}
+        args = {**c, **leaves}
+        y, fin = mamba_chunk_scan_combined(**args, return_final_states=True)
+        return y, fin, leaves
+
+    y, fin, leaves = run(case)
+    g_y = torch.randn(y.shape, generator=gen)
+    g_fin = torch.randn(fin.shape, generator=gen)
+    torch.autograd.backward((y, fin), (g_y.to(y.device, y.dtype), g_fin.to(fin.device, fin.dtype)))
+    cpu = {k: (v.detach().cpu().float() if isinstance(v, torch.Tensor) and v.is_floating_point()
+               else v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    y_r, fin_r, leaves_r = run(cpu)
+    torch.autograd.backward((y_r, fin_r), (g_y.to(y.dtype).float(), g_fin))
+    tol = 2 * BWD_TOL[case["x"].dtype]
+    for name, leaf in leaves.items():
+        got, want = leaf.grad, leaves_r[name].grad
+        assert got is not None and got.shape == leaf.shape and got.dtype == leaf.dtype, name
+        assert rel_err(got.float().cpu(), want) <= tol, f"grad of {name}: {rel_err(got.float().cpu(), want):.3e}"

@@ -4,7 +4,7 @@ docs/performance-log.md):
     python tests/gpu/variants_scan.py [--shapes 16K:128,64K:256] [--chunk 256] [--json OUT/variants.json]
 
 Each variant sets launch.CONSTANT_OVERRIDE / launch.HINT_OVERRIDE (compile-time constants and ct.kernel hints
-of chunk_state and compute_out), runs the public call, checks y and the final state against the default's
+of chunk_state and compute_out) and index_width.NARROW_INDEX (32-bit-indexed kernels), runs the public call, checks y and the final state against the default's
 (relative error), and reports the median call time and each kernel's time (torch profiler). Shapes as
 profile_scan.py: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states. Tuning is off.
 """
@@ -24,18 +24,20 @@ from check_kernels import _kernel_times, _median_ms  # noqa: E402
 from gpu_cases import make_case, public_call, rel_err  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
-from m2ops.kernels import launch  # noqa: E402
+from m2ops.kernels import index_width, launch  # noqa: E402
 
-# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE)
+# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on)
 VARIANTS = {
-    "default": ({}, {}),
-    "bounds-checked": ({"chunk_state": {"CHK": True}, "compute_out": {"CHK": True}}, {}),
-    "out occ 2": ({}, {"compute_out": {"occupancy": 2}}),
-    "out occ 4": ({}, {"compute_out": {"occupancy": 4}}),
-    "state occ 2": ({}, {"chunk_state": {"occupancy": 2}}),
-    "state occ 4": ({}, {"chunk_state": {"occupancy": 4}}),
-    "out tf32 state": ({"compute_out": {"SBF": False}}, {}),
-    "out occ 3": ({}, {"compute_out": {"occupancy": 3}}),
+    "default": ({}, {}, False),
+    "index32": ({}, {}, True),
+    "bounds-checked": ({"chunk_state": {"CHK": True}, "compute_out": {"CHK": True}}, {}, False),
+    "out occ 3": ({}, {"compute_out": {"occupancy": 3}}, False),
+    "out occ 4": ({}, {"compute_out": {"occupancy": 4}}, False),
+    "out tf32 state": ({"compute_out": {"SBF": False}}, {}, False),
+    "index32 out occ 2": ({}, {"compute_out": {"occupancy": 2}}, True),
+    "index32 out occ 3": ({}, {"compute_out": {"occupancy": 3}}, True),
+    "index32 state occ 2": ({}, {"chunk_state": {"occupancy": 2}}, True),
+    "index32 state occ 4": ({}, {"chunk_state": {"occupancy": 4}}, True),
 }
 
 
@@ -56,7 +58,8 @@ def main():
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
         y0, fin0 = call()
         for name in args.variants.split(","):
-            consts, hints = VARIANTS[name]
+            consts, hints, narrow = VARIANTS[name]
+            index_width.NARROW_INDEX = narrow
             launch.CONSTANT_OVERRIDE.clear()
             launch.CONSTANT_OVERRIDE.update(consts)
             launch.HINT_OVERRIDE.clear()
@@ -71,6 +74,7 @@ def main():
             finally:
                 launch.CONSTANT_OVERRIDE.clear()
                 launch.HINT_OVERRIDE.clear()
+                index_width.NARROW_INDEX = False
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
