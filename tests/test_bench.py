@@ -55,3 +55,27 @@ def test_backward_build_returns_every_gradient():
     assert [tuple(g.shape) for g in grads] == [tuple(inputs[k].shape) for k in
                                                 ("x", "dt", "A", "B", "C", "D", "initial_states")]
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_bench_check_reports_m2ops_errors_against_the_reference(tmp_path):
+    results, table = _bench(tmp_path, "--peers", "m2ops", "--check")
+    (r,) = results
+    assert r["err_y"] < 1e-5 and r["err_final"] < 1e-5  # float32 on the CPU: the reference itself
+    assert "m2ops error y / final" in table
+
+
+def test_check_reference_matches_the_public_function_with_groups():
+    """The head-sliced reference of --check equals the public function (CPU, float32), ngroups > 1 and a
+    head slice that does not divide the heads."""
+    import torch
+
+    from m2ops import mamba_chunk_scan_combined
+    from m2ops.bench.check import reference
+    from m2ops.bench.peers import make_inputs
+    s = Shape(seqlen=70, dstate=8, nheads=6, headdim=4, ngroups=3, dtype="float32")
+    inp = make_inputs(s, "cpu")
+    y, fin = mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 32, D=inp["D"],
+                                       initial_states=inp["initial_states"], return_final_states=True)
+    y_ref, fin_ref = reference(inp, 32, heads_per_step=4)
+    torch.testing.assert_close(y_ref, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fin_ref, fin, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
+    p.add_argument("--check", action="store_true",
+                   help="also compare m2ops's y and final state with the float32 reference at every point")
     p.add_argument("--backward", action="store_true",
                    help="time forward+backward: gradients of x, dt, A, B, C, D and the initial state")
     return p.parse_args(argv)
@@ -84,7 +86,7 @@ def main(argv=None):
     bar = _progress(len(todo))
     for i, (shape, peer) in enumerate(todo):
         job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
-                   device=a.device, backward=a.backward)
+                   device=a.device, backward=a.backward, check=a.check)
         t0 = time.perf_counter()
         r = run_point(job, a.timeout)
         r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(),

@@ -21,8 +21,9 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         by_shape[r["key"]][r["peer"]] = r
         shapes[r["key"]] = r
     others = [p for p in peers if not p.startswith("m2ops")]
+    checked = any("err_y" in r for r in results)
     head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
-            + ["floor ms", "m2ops / floor"])
+            + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
                                                              shapes[kv[0]]["shape"]["dstate"])):
@@ -35,6 +36,8 @@ def markdown(results: list[dict], peers: list[str]) -> str:
             cells.append(f"{r['ms'] / ours['ms']:.2f}" if ok else "")
         floor = s["floor_ms"]
         cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
+        if checked:
+            cells.append(f"{ours['err_y']:.1e} / {ours['err_final']:.1e}" if ours and "err_y" in ours else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

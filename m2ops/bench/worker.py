@@ -26,7 +26,12 @@ def run(job: dict) -> dict:
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - t0
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
-    return {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
+    out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
+    if job.get("check") and job["peer"] == "m2ops" and not job.get("backward"):
+        from .check import errors
+        y, final = fn()
+        out.update(errors(inputs, job["chunk_size"], y, final))
+    return out
 
 
 def _device_name(device):
