@@ -47,3 +47,14 @@ def test_each_forward_op_called_once():
         run_scan(inputs, 16)
     counts = {name: sum(e.name == name for e in prof.events()) for name in FORWARD}
     assert all(c == 1 for c in counts.values()), counts
+
+
+def test_profile_cli_table_names_the_ops(capsys):
+    """python -m m2ops.bench.profile (docs/profiling.md) on the CPU: the layer's forward and backward, with the
+    m2ops ops in the table."""
+    from m2ops.bench.profile import main
+    main(["--d-model", "64", "--d-state", "16", "--seqlen", "64", "--dtype", "float32", "--backward",
+          "--rows", "60", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for name in ("m2ops::chunk_cumsum", "m2ops::chunk_scan", "m2ops::compute_out_bwd"):
+        assert name in out, name

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, after `source .device/env.sh`):  bash tests/gpu/run_all.sh [step ...]
 # Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
 # and on request: check32 memcheck32 kernels32 (the same with the 32-bit-indexed kernels, M2OPS_INDEX32=1),
-# variants (tests/gpu/variants_scan.py), backward_memcheck.
+# variants (tests/gpu/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-gpu-results}"
@@ -36,6 +36,7 @@ for s in "${steps[@]}"; do
     kernels32) run kernels32 420 env M2OPS_INDEX32=1 M2OPS_GPU_EXAMPLES=8 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py ;;
     variants) run variants 240 python tests/gpu/variants_scan.py --shapes 16K:128,64K:256,4K:128 --json "$OUT/variants.json" ;;
     backward_memcheck) run backward_memcheck 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 M2OPS_GPU_EXAMPLES=2 compute-sanitizer --tool memcheck python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
+    profile_table) run profile_table 180 python -m m2ops.bench.profile --backward --rows 30 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
