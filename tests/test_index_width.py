@@ -67,3 +67,18 @@ def test_launch_takes_the_twin_only_when_enabled_and_fitting(monkeypatch, enable
     launch._launch((1, 1, 1), k, (_meta(2 ** 16, 2 ** 16), 3))
     assert launched[1] is k
     assert launched[0] is (index_width.narrow_twin(k) if enabled else k)
+
+
+def test_dense_copies_only_expanded_views():
+    """launch._dense: contiguous and strided tensors pass through untouched (the kernels read strides); a view
+    with stride 0 over a dimension longer than one is made contiguous (distinct indices must address
+    distinct elements)."""
+    t = torch.randn(4, 6)
+    assert launch._dense(t) is t
+    strided = t[:, ::2]
+    assert launch._dense(strided) is strided
+    single = torch.randn(4, 1).expand(4, 1)  # stride 0 only over a dimension of size one
+    assert launch._dense(single) is single
+    expanded = torch.randn(4, 1).expand(4, 6)
+    out = launch._dense(expanded)
+    assert out is not expanded and out.is_contiguous() and torch.equal(out, expanded)
