@@ -319,3 +319,17 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
         launch.chunk_scan(*args)
     assert timed == [{"path": "fused", "ppsm": 8}]
     autotune.forget()
+
+
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
+    """The CB_IN_BF16 experiment (C . B^T stored in bfloat16) stays within the bfloat16 tolerance of y."""
+    monkeypatch.setattr(launch, "CB_IN_BF16", True)
+    case = make_case(dtype=torch.bfloat16, chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16,
+                     dstate=64, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
+                     initial_states=True, seq_idx=seq_idx, nseqs=3, seed=7, device="cpu")
+    y_ref, _, _, mid = reference_forward(case)
+    with emulated_kernels():
+        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                               case["D"], case["z"], case["seq_idx"])
+    _check(y, y_ref, "y", torch.bfloat16, "y")

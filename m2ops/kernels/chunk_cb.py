@@ -48,4 +48,4 @@ def chunk_cb_kernel(C: Big, B: Big, cb: Big,
             ci = ct.load(C, (b, rb, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             bj = ct.load(B, (b, jrow, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             acc = ct.mma(ci.astype(mma_dtype), ct.transpose(bj.astype(mma_dtype)), acc)
-        ct.store(cb, (b, c, g, m, jb), acc.reshape((1, 1, 1, BL, BL)))
+        ct.store(cb, (b, c, g, m, jb), acc.astype(cb.dtype).reshape((1, 1, 1, BL, BL)))

@@ -77,7 +77,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
     for jb in range(m):
         jrow = c * blocks_per_chunk + jb
-        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((BL, BL)).astype(ct.float32)
         cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         wgt = cbt * (ct.exp(cs_s - cs_j) * dt_j)[None, :]
@@ -95,7 +96,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         keep = keep & (seq_i[:, None] == seq_i[None, :])
     # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
     decay = ct.exp(ct.where(keep, cs_i[:, None] - cs_i[None, :], -float("inf")))
-    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL)).astype(
+        ct.float32)
     wgt = cbt * decay * dt_i[None, :]
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
     acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)

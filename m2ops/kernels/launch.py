@@ -119,6 +119,10 @@ _OCCUPANCY = {
 HINT_OVERRIDE: dict = {}
 # kernel name -> constants that replace the launcher's (profiling experiments); empty in normal use.
 CONSTANT_OVERRIDE: dict = {}
+# C . B^T stored in bfloat16 for bfloat16 inputs (half of compute_out's largest read, 10 of the ~29 tiles a
+# (chunk, head) reads at chunk 256; the product is rounded twice instead of once). Experiment, off until
+# timed: tests/gpu/variants_scan.py "cb bf16".
+CB_IN_BF16 = False
 
 
 def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
@@ -380,7 +384,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     n_rblocks = cdiv(T, BL)
 
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
-    cb = torch.empty((b, num_chunks(T, L), g, L, L), dtype=torch.float32, device=dev)
+    cb_dtype = torch.bfloat16 if (CB_IN_BF16 and mma_dtype == torch.bfloat16) else torch.float32
+    cb = torch.empty((b, num_chunks(T, L), g, L, L), dtype=cb_dtype, device=dev)
     kc = chunk_cb_constants(L)
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 

@@ -26,7 +26,7 @@ from gpu_cases import make_case, public_call, rel_err  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import index_width, launch  # noqa: E402
 
-# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on)
+# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on[, "cb16": launch.CB_IN_BF16])
 VARIANTS = {
     "default": ({}, {}, False),
     "index32": ({}, {}, True),
@@ -38,6 +38,8 @@ VARIANTS = {
     "index32 out occ 3": ({}, {"compute_out": {"occupancy": 3}}, True),
     "index32 state occ 2": ({}, {"chunk_state": {"occupancy": 2}}, True),
     "index32 state occ 4": ({}, {"chunk_state": {"occupancy": 4}}, True),
+    "cb bf16": ({}, {}, False, "cb16"),
+    "index32 cb bf16": ({}, {}, True, "cb16"),
 }
 
 
@@ -58,8 +60,9 @@ def main():
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
         y0, fin0 = call()
         for name in args.variants.split(","):
-            consts, hints, narrow = VARIANTS[name]
+            consts, hints, narrow = VARIANTS[name][:3]
             index_width.NARROW_INDEX = narrow
+            launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
             launch.CONSTANT_OVERRIDE.clear()
             launch.CONSTANT_OVERRIDE.update(consts)
             launch.HINT_OVERRIDE.clear()
@@ -75,6 +78,7 @@ def main():
                 launch.CONSTANT_OVERRIDE.clear()
                 launch.HINT_OVERRIDE.clear()
                 index_width.NARROW_INDEX = False
+                launch.CB_IN_BF16 = False
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
