@@ -97,7 +97,7 @@ def test_in_bounds_kernels_skip_bounds_checks(chunk_size, seqlen, seq_idx):
     case = make_case(dtype=torch.bfloat16, chunk_size=chunk_size, batch=2, seqlen=seqlen, nheads=4, ngroups=2,
                      headdim=64, dstate=128, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")),
                      D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=seqlen, device="cpu")
-    assert launch.tiles_in_bounds(seqlen, 64, 128, chunk_size)
+    assert launch.tiles_in_bounds(seqlen, 64, 128, launch.chunk_state_constants(chunk_size, seq_idx))
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
         st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
@@ -332,4 +332,26 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     with emulated_kernels():
         y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                                case["D"], case["z"], case["seq_idx"])
+    _check(y, y_ref, "y", torch.bfloat16, "y")
+
+
+@pytest.mark.parametrize("dstate", [64, 128, 100])
+def test_wider_dstate_tiles(dstate):
+    """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the
+    launch grid and the unchecked-load rule follow the constants' TN (dstate 64 and 100: one partial tile)."""
+    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=1, seqlen=128, nheads=2, ngroups=1, headdim=64,
+                     dstate=dstate, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=False,
+                     initial_states=True, seq_idx=False, nseqs=1, seed=dstate, device="cpu")
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    launch.CONSTANT_OVERRIDE.update({"chunk_state": {"TN": 128}, "compute_out": {"TN": 128}})
+    try:
+        with emulated_kernels():
+            st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                                case["initial_states"], None, None)
+            y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
+                                   mid["states"], case["D"], None, None)
+    finally:
+        launch.CONSTANT_OVERRIDE.clear()
+    _check(st_, mid["states"], "states", torch.bfloat16, "states")
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
     _check(y, y_ref, "y", torch.bfloat16, "y")

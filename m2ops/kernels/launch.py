@@ -59,11 +59,10 @@ def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) ->
     return k
 
 
-def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, chunk_size: int) -> bool:
-    """Whether every (row block, headdim tile, dstate tile) of the chunk_state and compute_out kernels lies
-    inside the arrays, so that their loads can skip bounds checks (CHK=False: fewer integer instructions
-    per element; those kernels were issue-bound on an H200)."""
-    return seqlen % sub_block(chunk_size) == 0 and headdim % TILE_P == 0 and dstate % TILE_N == 0
+def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, k: dict) -> bool:
+    """Whether every (row block, headdim tile, dstate tile) of a chunk_state or compute_out launch with
+    constants k (BL, TP, TN) lies inside the arrays, so that its loads can skip bounds checks (CHK=False)."""
+    return seqlen % k["BL"] == 0 and headdim % k["TP"] == 0 and dstate % k["TN"] == 0
 
 
 def state_passing_constants(block: int, has_seq: bool) -> dict:
@@ -338,10 +337,12 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    k = chunk_state_constants(L, has_seq, not tiles_in_bounds(T, p, n, L))
-    _launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
+    k = chunk_state_constants(L, has_seq)
+    k = chunk_state_constants(L, has_seq, not tiles_in_bounds(T, p, n, k))
+    _launch((nchunks * h * n_ptiles * cdiv(n, k["TN"]), b, 1),
+            hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
-             T, h, h // g, n_ntiles, n_ptiles,
+             T, h, h // g, cdiv(n, k["TN"]), n_ptiles,
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
@@ -390,7 +391,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
     n_ptiles = cdiv(p, TILE_P)
-    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, L), _dtype_name(mma_dtype))
+    k = compute_out_constants(L, seq_idx is not None, True, _dtype_name(mma_dtype))
+    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, k), _dtype_name(mma_dtype))
     _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
             (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
              _as(states, torch.float32), Dk, zk, seq, y,

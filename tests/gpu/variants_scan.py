@@ -38,6 +38,8 @@ VARIANTS = {
     "index32 out occ 3": ({}, {"compute_out": {"occupancy": 3}}, True),
     "index32 state occ 2": ({}, {"chunk_state": {"occupancy": 2}}, True),
     "index32 state occ 4": ({}, {"chunk_state": {"occupancy": 4}}, True),
+    "index32 state TN128": ({"chunk_state": {"TN": 128}}, {}, True),
+    "index32 out TN128": ({"compute_out": {"TN": 128}}, {}, True),
     "cb bf16": ({}, {}, False, "cb16"),
     "index32 cb bf16": ({}, {}, True, "cb16"),
 }
