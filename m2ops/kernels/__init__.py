@@ -15,6 +15,7 @@
                        the backward kernels of the three ops (the CUDA implementations of the *_bwd ops),
                        launched by launch_bwd.py
     launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
+    index_width.py     32-bit-indexed twins of the kernels (TMA loads) where every array fits int32 offsets
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)
 
