@@ -355,3 +355,26 @@ def test_wider_dstate_tiles(dstate):
     _check(st_, mid["states"], "states", torch.bfloat16, "states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
     _check(y, y_ref, "y", torch.bfloat16, "y")
+
+
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
+    """The STATES_IN_BF16 experiment: state_passing writes the entering states to a separate bfloat16 array
+    (SEP), compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept
+    float32) within the states'."""
+    monkeypatch.setattr(launch, "STATES_IN_BF16", True)
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=2, seqlen=200, nheads=4, ngroups=2, headdim=16,
+                     dstate=32, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
+                     initial_states=True, seq_idx=seq_idx, nseqs=3, seed=11, device="cpu")
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    with emulated_kernels():
+        st_, _, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                          case["initial_states"], case["seq_idx"], None,
+                                          entering_dtype=torch.bfloat16)
+        y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                   case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    assert st_.dtype == torch.bfloat16
+    _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states (bf16)")
+    _check(y, y_ref, "y", torch.bfloat16, "y")
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")

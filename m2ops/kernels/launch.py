@@ -65,8 +65,8 @@ def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, k: dict) -> bool:
     return seqlen % k["BL"] == 0 and headdim % k["TP"] == 0 and dstate % k["TN"] == 0
 
 
-def state_passing_constants(block: int, has_seq: bool) -> dict:
-    return dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY)
+def state_passing_constants(block: int, has_seq: bool, separate: bool = False) -> dict:
+    return dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY, SEP=bool(separate))
 
 
 # None: state_passing_block's choice; an element of STATE_BLOCKS: that block (tests/gpu/check_kernels.py
@@ -122,6 +122,10 @@ CONSTANT_OVERRIDE: dict = {}
 # (chunk, head) reads at chunk 256; the product is rounded twice instead of once). Experiment, off until
 # timed: tests/gpu/variants_scan.py "cb bf16".
 CB_IN_BF16 = False
+# chunk_scan's entering states written in bfloat16 by state_passing for compute_out's bfloat16 state product
+# (SBF): half the bytes of state_passing's writes and compute_out's state reads; the recurrence itself and the
+# final state stay float32. Experiment, off until timed: tests/gpu/variants_scan.py "states bf16".
+STATES_IN_BF16 = False
 
 
 def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
@@ -316,8 +320,11 @@ def _common_dtype(*tensors):
     return dtype
 
 
-def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None):
-    """state_block: the state_passing block size (default: state_passing_block's choice)."""
+def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
+                   entering_dtype=None):
+    """state_block: the state_passing block size (default: state_passing_block's choice). entering_dtype
+    (bfloat16; without cu_seqlens): the entering states are returned in that dtype, written by state_passing
+    to their own buffer (for compute_out alone: chunk_scan's STATES_IN_BF16 experiment)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, B, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
@@ -351,11 +358,17 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_blocks = cdiv(pn, blk)
     init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
             else _dummy(x, torch.float32, 3))
-    ks = state_passing_constants(blk, has_seq)
+    separate = entering_dtype is not None and cu_seqlens is None
+    entering = (torch.empty(states.shape, dtype=entering_dtype, device=dev) if separate
+                else _dummy(x, torch.float32, 4))
+    ks = state_passing_constants(blk, has_seq, separate)
     _launch((h * n_blocks, b, 1), state_passing_kernel,
             (states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
+             entering.view(b, nchunks, h, pn) if separate else entering,
              T, nchunks, n_blocks, int(initial_states is not None), L,
-             ks["BLK"], ks["HAS_SEQ"], ks["LAT"]))
+             ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]))
+    if separate:
+        return entering, final_states, torch.empty((0, h, p, n), dtype=torch.float32, device=dev)
 
     varlen = torch.empty(varlen_states_shape(cu_seqlens, h, p, n), dtype=torch.float32, device=dev)
     if cu_seqlens is not None:
@@ -395,7 +408,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, k), _dtype_name(mma_dtype))
     _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
             (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
-             _as(states, torch.float32), Dk, zk, seq, y,
+             states if (k["SBF"] and states.dtype == torch.bfloat16) else _as(states, torch.float32), Dk, zk,
+             seq, y,
              T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]))
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -490,8 +504,10 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
 
 def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
     if config["path"] == "split":
+        bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
-                                                 state_block=config.get("state_block"))
+                                                 state_block=config.get("state_block"),
+                                                 entering_dtype=torch.bfloat16 if bf16 else None)
         return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
     L = dt_out.shape[-1]
     b, T, h, p = x.shape
@@ -532,8 +548,8 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     ks = state_passing_constants(blk, False)
     _launch((h * n_sblocks, b, 1), state_passing_kernel,
             (seg_states.view(b, nseg, h, pn), seg_logcarry, _dummy(x, torch.int32, 2), init,
-             final_states.view(b, h, pn), T, nseg, n_sblocks, int(initial_states is not None), 1,
-             ks["BLK"], ks["HAS_SEQ"], ks["LAT"]))
+             final_states.view(b, h, pn), _dummy(x, torch.float32, 4), T, nseg, n_sblocks,
+             int(initial_states is not None), 1, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]))
 
     # 3. y, walking each segment from its entering state.
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)

@@ -19,7 +19,9 @@ program keeps a load in flight while it stores and updates; the time is then the
 writing the states once (2 * B*c*H*P*N*4 bytes) rather than c dependent memory round trips.
 
 The states buffer is (b, c, h, P*N) here: a view of the contiguous (b, c, h, P, N) buffer the launcher
-allocates. A partial last block is zero-padded on load and clipped on store. Everything is float32, and the
+allocates. With SEP the entering states go to a separate `entering` array instead (e.g. in bfloat16 for
+compute_out; an experiment, launch.STATES_IN_BF16), never aliasing `states`: a separate constant rather than
+one array passed twice, because the compiler may assume distinct parameters do not alias. A partial last block is zero-padded on load and clipped on store. Everything is float32, and the
 chunk size is a run-time argument (it only addresses cs_last and seq_idx), so the specialisations are
 (BLK, HAS_SEQ) alone.
 """
@@ -50,8 +52,9 @@ def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_
 
 @ct.kernel
 def state_passing_kernel(states: Big, dA_cumsum: Big, seq_idx: Big, initial_states: Big, final_states: Big,
+                         entering: Big,
                          seqlen: int, nchunks: int, n_blocks: int, has_init: int, L: int,
-                         BLK: ConstInt, HAS_SEQ: ConstBool, LAT: ConstInt):
+                         BLK: ConstInt, HAS_SEQ: ConstBool, LAT: ConstInt, SEP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     blk = pid % n_blocks
@@ -68,7 +71,10 @@ def state_passing_kernel(states: Big, dA_cumsum: Big, seq_idx: Big, initial_stat
         nxt = ct.minimum(c + 1, nchunks - 1)
         local_n, carry_n = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, nxt, blk, seqlen,
                                          L, BLK, HAS_SEQ, LAT)
-        ct.store(states, (b, c, h, blk), s.reshape((1, 1, 1, BLK)))
+        if SEP:  # entering states to their own array (of its dtype), local states left as they are
+            ct.store(entering, (b, c, h, blk), s.astype(entering.dtype).reshape((1, 1, 1, BLK)))
+        else:
+            ct.store(states, (b, c, h, blk), s.reshape((1, 1, 1, BLK)))
         s = s * carry + local
         local = local_n
         carry = carry_n

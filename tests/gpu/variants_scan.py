@@ -26,7 +26,8 @@ from gpu_cases import make_case, public_call, rel_err  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import index_width, launch  # noqa: E402
 
-# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on[, "cb16": launch.CB_IN_BF16])
+# name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on[, "cb16": launch.CB_IN_BF16,
+#          "states16": launch.STATES_IN_BF16])
 VARIANTS = {
     "default": ({}, {}, False),
     "index32": ({}, {}, True),
@@ -42,6 +43,8 @@ VARIANTS = {
     "index32 out TN128": ({"compute_out": {"TN": 128}}, {}, True),
     "cb bf16": ({}, {}, False, "cb16"),
     "index32 cb bf16": ({}, {}, True, "cb16"),
+    "states bf16": ({}, {}, False, "states16"),
+    "index32 states+cb bf16": ({}, {}, True, "cb16", "states16"),
 }
 
 
@@ -65,6 +68,7 @@ def main():
             consts, hints, narrow = VARIANTS[name][:3]
             index_width.NARROW_INDEX = narrow
             launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
+            launch.STATES_IN_BF16 = "states16" in VARIANTS[name][3:]
             launch.CONSTANT_OVERRIDE.clear()
             launch.CONSTANT_OVERRIDE.update(consts)
             launch.HINT_OVERRIDE.clear()
@@ -81,6 +85,7 @@ def main():
                 launch.HINT_OVERRIDE.clear()
                 index_width.NARROW_INDEX = False
                 launch.CB_IN_BF16 = False
+                launch.STATES_IN_BF16 = False
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
