@@ -25,6 +25,22 @@ def softplus(d):
     return ct.where(d > 20.0, d, lp)
 
 
+def dt_stages(dt, dt_bias, b, c, hb, seqlen, has_bias, dt_softplus, dt_min, dt_max, L, BH):
+    """The (L, BH) tile of chunk c, heads block hb, at each stage: v = dt (+ dt_bias), u = softplus(v) (or v),
+    d = u clamped to [dt_min, dt_max] and zeroed past seqlen; and the mask of positions inside seqlen."""
+    v = ct.load(dt, (b, c, hb), shape=(1, L, BH), padding_mode=_ZERO).reshape((L, BH)).astype(ct.float32)
+    if has_bias != 0:
+        bias = ct.load(dt_bias, (hb,), shape=(BH,), padding_mode=_ZERO).astype(ct.float32)
+        v = v + bias[None, :]
+    u = v
+    if dt_softplus != 0:
+        u = softplus(v)
+    # Positions past seqlen get dt = 0 after the clamp, so they add nothing to any later sum.
+    inside = (c * L + ct.arange(L, dtype=ct.int32) < seqlen)[:, None]
+    d = ct.where(inside, ct.minimum(ct.maximum(u, dt_min), dt_max), 0.0)
+    return v, u, d, inside
+
+
 @ct.kernel
 def chunk_cumsum_kernel(dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big,
                         seqlen: int, n_hblocks: int, has_bias: int, dt_softplus: int,
@@ -35,17 +51,7 @@ def chunk_cumsum_kernel(dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big,
     c = pid // n_hblocks
     hb = pid % n_hblocks
 
-    d = ct.load(dt, (b, c, hb), shape=(1, L, BH), padding_mode=_ZERO).reshape((L, BH))
-    d = d.astype(ct.float32)
-    if has_bias != 0:
-        bias = ct.load(dt_bias, (hb,), shape=(BH,), padding_mode=_ZERO).astype(ct.float32)
-        d = d + bias[None, :]
-    if dt_softplus != 0:
-        d = softplus(d)
-    d = ct.minimum(ct.maximum(d, dt_min), dt_max)
-    # Positions past seqlen get dt = 0 after the clamp, so they add nothing to any later sum.
-    t = c * L + ct.arange(L, dtype=ct.int32)
-    d = ct.where((t < seqlen)[:, None], d, 0.0)
+    _, _, d, _ = dt_stages(dt, dt_bias, b, c, hb, seqlen, has_bias, dt_softplus, dt_min, dt_max, L, BH)
 
     a = ct.load(A, (hb,), shape=(BH,), padding_mode=_ZERO).astype(ct.float32)
     cs = ct.cumsum(d * a[None, :], axis=0)

@@ -16,26 +16,10 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .chunk_cumsum import softplus
+from .chunk_cumsum import dt_stages
 from .common import Big, ConstInt
 
 _ZERO = ct.PaddingMode.ZERO
-
-
-def dt_stages(dt, dt_bias, b, c, hb, seqlen, has_bias, dt_softplus, dt_min, dt_max, L, BH):
-    """The forward's (L, BH) tile of chunk c, heads block hb, at each stage (as chunk_cumsum_kernel forms it):
-    v = dt (+ dt_bias), u = softplus(v) (or v), d = u clamped to [dt_min, dt_max] and zeroed past seqlen; and
-    the mask of positions inside seqlen."""
-    v = ct.load(dt, (b, c, hb), shape=(1, L, BH), padding_mode=_ZERO).reshape((L, BH)).astype(ct.float32)
-    if has_bias != 0:
-        bias = ct.load(dt_bias, (hb,), shape=(BH,), padding_mode=_ZERO).astype(ct.float32)
-        v = v + bias[None, :]
-    u = v
-    if dt_softplus != 0:
-        u = softplus(v)
-    inside = (c * L + ct.arange(L, dtype=ct.int32) < seqlen)[:, None]
-    d = ct.where(inside, ct.minimum(ct.maximum(u, dt_min), dt_max), 0.0)
-    return v, u, d, inside
 
 
 @ct.kernel

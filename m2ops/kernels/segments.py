@@ -46,19 +46,40 @@ from .common import Big, ConstBool, ConstInt
 _ZERO = ct.PaddingMode.ZERO
 
 
-def _block_scalars(cs, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ):
-    """cs_0 and cs_last of block r and, with seq_idx, the sequence ids of the token before the block and of
-    the block's last token (0, 0 without)."""
+def _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks):
+    """(batch row, headdim tile, head, group, segment, first block, end block) of this program."""
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    pt = pid % n_ptiles
+    rest = pid // n_ptiles
+    h = rest % nheads
+    seg = rest // nheads
+    r0 = seg * blocks_per_seg
+    return b, pt, h, h // heads_per_group, seg, r0, ct.minimum(r0 + blocks_per_seg, n_blocks)
+
+
+def _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ):
+    """Block r of head h: its cumulative sums csb and cs_0 (just before the block; 0 at a chunk start), dt,
+    the token weights w = exp(cs_last - cs) dt (zero off the sequence of the block's last token), the log of
+    the carry of the entering state across the block (-inf where a sequence starts inside it), and, with
+    seq_idx, the tokens' sequence ids and that of the token before the block (0, 0 without)."""
     cs_last = ct.load(cs, (b, h, r * BL + BL - 1), shape=())
     cs_0 = ct.load(cs, (b, h, ct.maximum(r * BL - 1, 0)), shape=())
     cs_0 = ct.where(r % blocks_per_chunk == 0, 0.0, cs_0)
+    csb = ct.load(cs, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
+    dtb = ct.load(dt, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
+    w = ct.exp(cs_last - csb) * dtb
+    step = cs_last - cs_0
+    seqb = 0
     seq_before = 0
-    seq_last = 0
     if HAS_SEQ:
         seq_last = ct.load(seq_idx, (b, ct.minimum(r * BL + BL - 1, seqlen - 1)), shape=())
         seq_before = ct.load(seq_idx, (b, ct.maximum(r * BL - 1, 0)), shape=())
         seq_before = ct.where(r == 0, 0, seq_before)
-    return cs_0, cs_last, seq_before, seq_last
+        seqb = ct.load(seq_idx, (b, r), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+        w = ct.where(seqb == seq_last, w, 0.0)
+        step = ct.where(seq_last == seq_before, step, -float("inf"))
+    return csb, cs_0, dtb, w, step, seqb, seq_before
 
 
 @ct.kernel
@@ -66,30 +87,13 @@ def segment_state_kernel(x: Big, B: Big, dt: Big, cs: Big, seq_idx: Big, seg_sta
                          seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, blocks_per_seg: int,
                          n_blocks: int, blocks_per_chunk: int,
                          BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool):
-    pid = ct.bid(0)
-    b = ct.bid(1)
-    pt = pid % n_ptiles
-    rest = pid // n_ptiles
-    h = rest % nheads
-    seg = rest // nheads
-    g = h // heads_per_group
+    b, pt, h, g, seg, r0, r1 = _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks)
     mma_dtype = x.dtype
-    r0 = seg * blocks_per_seg
-    r1 = ct.minimum(r0 + blocks_per_seg, n_blocks)
 
     s = ct.zeros((TP, NT), dtype=ct.float32)
     logc = ct.zeros((), dtype=ct.float32)
     for r in range(r0, r1):
-        cs_0, cs_last, seq_before, seq_last = _block_scalars(cs, seq_idx, b, h, r, seqlen, blocks_per_chunk,
-                                                             BL, HAS_SEQ)
-        csb = ct.load(cs, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
-        dtb = ct.load(dt, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
-        w = ct.exp(cs_last - csb) * dtb
-        step = cs_last - cs_0
-        if HAS_SEQ:
-            seqb = ct.load(seq_idx, (b, r), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-            w = ct.where(seqb == seq_last, w, 0.0)
-            step = ct.where(seq_last == seq_before, step, -float("inf"))
+        _, _, _, w, step, _, _ = _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ)
         xs = ct.load(x, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
         bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
@@ -107,16 +111,8 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
                        seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, blocks_per_seg: int,
                        n_blocks: int, blocks_per_chunk: int, has_d: int, has_z: int,
                        BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool):
-    pid = ct.bid(0)
-    b = ct.bid(1)
-    pt = pid % n_ptiles
-    rest = pid // n_ptiles
-    h = rest % nheads
-    seg = rest // nheads
-    g = h // heads_per_group
+    b, pt, h, g, seg, r0, r1 = _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks)
     mma_dtype = x.dtype
-    r0 = seg * blocks_per_seg
-    r1 = ct.minimum(r0 + blocks_per_seg, n_blocks)
 
     s = ct.load(seg_states, (b, seg, h, pt, 0), shape=(1, 1, 1, TP, NT),
                 padding_mode=_ZERO).reshape((TP, NT))
@@ -124,25 +120,17 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
     causal = pos[:, None] >= pos[None, :]
     dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
     for r in range(r0, r1):
-        cs_0, cs_last, seq_before, seq_last = _block_scalars(cs, seq_idx, b, h, r, seqlen, blocks_per_chunk,
-                                                             BL, HAS_SEQ)
-        csb = ct.load(cs, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
-        dtb = ct.load(dt, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
+        csb, cs_0, dtb, w, step, seqb, seq_before = _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk,
+                                                           BL, HAS_SEQ)
         xs = ct.load(x, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         cm = ct.load(C, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
         bm = ct.load(B, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
 
         keep = causal
         inter = ct.exp(csb - cs_0)
-        w = ct.exp(cs_last - csb) * dtb
-        step = cs_last - cs_0
         if HAS_SEQ:
-            seqb = ct.load(seq_idx, (b, r), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
             keep = keep & (seqb[:, None] == seqb[None, :])
             inter = ct.where(seqb == seq_before, inter, 0.0)
-            w = ct.where(seqb == seq_last, w, 0.0)
-            step = ct.where(seq_last == seq_before, step, -float("inf"))
-
         # Inter-block term from the state entering the block, then the intra-block term.
         acc = ct.mma(cm.astype(ct.float32).astype(ct.tfloat32), ct.transpose(s).astype(ct.tfloat32),
                      ct.zeros((BL, TP), dtype=ct.float32))
