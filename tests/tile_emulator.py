@@ -8,8 +8,7 @@ cuda.tile the kernels use, implemented in PyTorch:
   shape[i] (shape () reads the element at index); elements outside the array read as zero under
   PaddingMode.ZERO and as NaN (integers: INT_POISON) otherwise, so that a kernel relying on an unpadded
   out-of-bounds load shows up as NaN in its outputs instead of passing by luck.
-  A load with check_bounds=False that reaches outside the array raises (undefined behaviour on a GPU);
-  order= permutes the array's axes first, as cuTile does.
+  A load with check_bounds=False that reaches outside the array raises (undefined behaviour on a GPU).
 - ct.store writes the in-bounds part of the tile (like cuTile, which clips).
 - ct.mma(a, b, acc) = acc + a @ b in float32 (inputs already rounded to their dtype; tf32 rounding is
   applied where the kernel converts to ct.tfloat32).
@@ -71,9 +70,7 @@ class _Emu:
             return index, (1,) * len(index)
         return tuple(i * s for i, s in zip(index, shape)), shape
 
-    def load(self, array, index, shape, padding_mode=None, latency=None, order="C", check_bounds=True, **_):
-        if order != "C":
-            array = array.permute(tuple(range(array.dim()))[::-1] if order == "F" else tuple(order))
+    def load(self, array, index, shape, padding_mode=None, latency=None, check_bounds=True, **_):
         origin, ext = self._origin(index, tuple(shape))
         if len(origin) != array.dim():
             raise IndexError(f"load: index {index} for a {array.dim()}-d array")

@@ -80,12 +80,12 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def load_tile(array, index, shape, CHK, order="C"):
+def load_tile(array, index, shape, CHK):
     """A zero-padded, bounds-checked tile load; or, with CHK False (the launcher found every tile inside its
     array: launch.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.
     tileiras 13.4 rejects check_bounds=False together with a padding mode, hence the two calls."""
     if CHK:
-        t = ct.load(array, index, shape=shape, order=order, padding_mode=ct.PaddingMode.ZERO)
+        t = ct.load(array, index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
     else:
-        t = ct.load(array, index, shape=shape, order=order, check_bounds=False)
+        t = ct.load(array, index, shape=shape, check_bounds=False)
     return t

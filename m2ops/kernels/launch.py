@@ -65,6 +65,13 @@ def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, k: dict) -> bool:
     return seqlen % k["BL"] == 0 and headdim % k["TP"] == 0 and dstate % k["TN"] == 0
 
 
+def _bounds_checked(kernel_name: str, k: dict, seqlen: int, headdim: int, dstate: int) -> dict:
+    """k with CHK set for these sizes (tiles_in_bounds), unless CONSTANT_OVERRIDE fixes CHK."""
+    if "CHK" in CONSTANT_OVERRIDE.get(kernel_name, {}):
+        return k
+    return {**k, "CHK": not tiles_in_bounds(seqlen, headdim, dstate, k)}
+
+
 def state_passing_constants(block: int, has_seq: bool, separate: bool = False) -> dict:
     return dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY, SEP=bool(separate))
 
@@ -248,7 +255,7 @@ def _dense(t):
     far the most common, is decided by one C call: this runs for every array of every launch."""
     if t.is_contiguous():
         return t
-    if 0 in t.stride() and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
         return t.contiguous()
     return t
 
@@ -344,12 +351,12 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    k = chunk_state_constants(L, has_seq)
-    k = chunk_state_constants(L, has_seq, not tiles_in_bounds(T, p, n, k))
-    _launch((nchunks * h * n_ptiles * cdiv(n, k["TN"]), b, 1),
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq), T, p, n)
+    n_state_tiles = cdiv(n, k["TN"])
+    _launch((nchunks * h * n_ptiles * n_state_tiles, b, 1),
             hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
-             T, h, h // g, cdiv(n, k["TN"]), n_ptiles,
+             T, h, h // g, n_state_tiles, n_ptiles,
              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
@@ -368,7 +375,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
              T, nchunks, n_blocks, int(initial_states is not None), L,
              ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]))
     if separate:
-        return entering, final_states, torch.empty((0, h, p, n), dtype=torch.float32, device=dev)
+        states = entering  # (no cu_seqlens: varlen_states, which reads float32 states, does not run)
 
     varlen = torch.empty(varlen_states_shape(cu_seqlens, h, p, n), dtype=torch.float32, device=dev)
     if cu_seqlens is not None:
@@ -404,8 +411,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
     n_ptiles = cdiv(p, TILE_P)
-    k = compute_out_constants(L, seq_idx is not None, True, _dtype_name(mma_dtype))
-    k = compute_out_constants(L, seq_idx is not None, not tiles_in_bounds(T, p, n, k), _dtype_name(mma_dtype))
+    k = _bounds_checked("compute_out", compute_out_constants(L, seq_idx is not None, dtype=_dtype_name(mma_dtype)),
+                        T, p, n)
     _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
             (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
              states if (k["SBF"] and states.dtype == torch.bfloat16) else _as(states, torch.float32), Dk, zk,
