@@ -9,8 +9,9 @@ import torch
 from ..reference.chunked import chunk_cumsum, compute_out, fwd_pass_state
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b||, normwise in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @torch.no_grad()
@@ -37,4 +38,4 @@ def reference(inputs: dict, chunk_size: int, heads_per_step: int = 8):
 
 def errors(inputs: dict, chunk_size: int, y, final) -> dict:
     y_ref, final_ref = reference(inputs, chunk_size)
-    return {"err_y": _rel(y, y_ref), "err_final": _rel(final, final_ref)}
+    return {"err_y": rel_err(y, y_ref), "err_final": rel_err(final, final_ref)}
