@@ -89,14 +89,18 @@ def test_forward_kernels(kw):
     _check(y, y_ref, "y", dtype, "y")
 
 
+def _bf16_case(**kw):
+    """A bfloat16 case on the CPU (make_case's defaults otherwise: softplus, dt_bias, no dt_limit)."""
+    return make_case(dtype=torch.bfloat16, device="cpu", **kw)
+
+
 @pytest.mark.parametrize("chunk_size,seqlen", [(16, 48), (64, 192), (128, 256), (256, 512)])
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_in_bounds_kernels_skip_bounds_checks(chunk_size, seqlen, seq_idx):
     """Tile-aligned shapes take chunk_state's and compute_out's unchecked loads (CHK=False; the emulator
     raises if such a load leaves its array)."""
-    case = make_case(dtype=torch.bfloat16, chunk_size=chunk_size, batch=2, seqlen=seqlen, nheads=4, ngroups=2,
-                     headdim=64, dstate=128, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")),
-                     D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=seqlen, device="cpu")
+    case = _bf16_case(chunk_size=chunk_size, batch=2, seqlen=seqlen, nheads=4, ngroups=2, headdim=64, dstate=128,
+                      D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=seqlen)
     assert launch.tiles_in_bounds(seqlen, 64, 128, launch.chunk_state_constants(chunk_size, seq_idx))
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
@@ -109,19 +113,15 @@ def test_in_bounds_kernels_skip_bounds_checks(chunk_size, seqlen, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
-def test_unchecked_load_outside_array_raises():
+def test_unchecked_load_outside_array_raises(monkeypatch):
     """The emulator's guard for CHK=False: a launcher that promised in-bounds tiles for a ragged shape fails."""
-    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=1, seqlen=100, nheads=2, ngroups=1, headdim=64,
-                     dstate=64, dt_softplus=False, dt_bias=False, dt_limit=(0.0, float("inf")), D=None, z=False,
-                     initial_states=False, seq_idx=False, nseqs=1, seed=1, device="cpu")
+    case = _bf16_case(chunk_size=64, seqlen=100, nheads=2, headdim=64, dstate=64, dt_softplus=False,
+                      dt_bias=False, nseqs=1, seed=1)
     _, _, _, mid = reference_forward(case)
-    launch.CONSTANT_OVERRIDE["compute_out"] = {"CHK": False}
-    try:
-        with emulated_kernels(), pytest.raises(IndexError, match="check_bounds=False"):
-            launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
-                               None, None, None)
-    finally:
-        launch.CONSTANT_OVERRIDE.clear()
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"CHK": False}})
+    with emulated_kernels(), pytest.raises(IndexError, match="check_bounds=False"):
+        launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                           None, None, None)
 
 
 @given(cases(), st.sampled_from([True, None]))
@@ -325,9 +325,8 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
 def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     """The CB_IN_BF16 experiment (C . B^T stored in bfloat16) stays within the bfloat16 tolerance of y."""
     monkeypatch.setattr(launch, "CB_IN_BF16", True)
-    case = make_case(dtype=torch.bfloat16, chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16,
-                     dstate=64, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
-                     initial_states=True, seq_idx=seq_idx, nseqs=3, seed=7, device="cpu")
+    case = _bf16_case(chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16, dstate=64, D="h",
+                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=7)
     y_ref, _, _, mid = reference_forward(case)
     with emulated_kernels():
         y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
@@ -336,22 +335,18 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
 
 
 @pytest.mark.parametrize("dstate", [64, 128, 100])
-def test_wider_dstate_tiles(dstate):
+def test_wider_dstate_tiles(monkeypatch, dstate):
     """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the
     launch grid and the unchecked-load rule follow the constants' TN (dstate 64 and 100: one partial tile)."""
-    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=1, seqlen=128, nheads=2, ngroups=1, headdim=64,
-                     dstate=dstate, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=False,
-                     initial_states=True, seq_idx=False, nseqs=1, seed=dstate, device="cpu")
+    case = _bf16_case(chunk_size=64, seqlen=128, nheads=2, headdim=64, dstate=dstate, D="h", initial_states=True,
+                      nseqs=1, seed=dstate)
     y_ref, fin_ref, _, mid = reference_forward(case)
-    launch.CONSTANT_OVERRIDE.update({"chunk_state": {"TN": 128}, "compute_out": {"TN": 128}})
-    try:
-        with emulated_kernels():
-            st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
-                                                case["initial_states"], None, None)
-            y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
-                                   mid["states"], case["D"], None, None)
-    finally:
-        launch.CONSTANT_OVERRIDE.clear()
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"TN": 128}, "compute_out": {"TN": 128}})
+    with emulated_kernels():
+        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                            case["initial_states"], None, None)
+        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
+                               mid["states"], case["D"], None, None)
     _check(st_, mid["states"], "states", torch.bfloat16, "states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
     _check(y, y_ref, "y", torch.bfloat16, "y")
@@ -364,9 +359,8 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     float32) within the states'."""
     monkeypatch.setattr(launch, "STATES_IN_BF16", True)
     monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    case = make_case(dtype=torch.bfloat16, chunk_size=64, batch=2, seqlen=200, nheads=4, ngroups=2, headdim=16,
-                     dstate=32, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
-                     initial_states=True, seq_idx=seq_idx, nseqs=3, seed=11, device="cpu")
+    case = _bf16_case(chunk_size=64, batch=2, seqlen=200, nheads=4, ngroups=2, headdim=16, dstate=32, D="h",
+                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=11)
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
         st_, _, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
