@@ -232,8 +232,10 @@ def test_backward_kernels(kw):
     want = ref_bwd.chunk_cumsum_bwd(*args)
     with emulated_kernels():
         got = launch_bwd.chunk_cumsum_bwd(*args)
+    _assert_no_aliasing(args, got)
+    # g_A and g_dt_bias are one float32 sum per head over every token, whose random-signed terms cancel: 1e-4.
     for name, a, b, tol in zip(("g_dt", "g_A", "g_dt_bias"), got, want,
-                               (CUMSUM_BWD_TOL[case["dt"].dtype], 1e-5, 1e-5)):
+                               (CUMSUM_BWD_TOL[case["dt"].dtype], 1e-4, 1e-4)):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
 
@@ -242,10 +244,17 @@ def test_backward_kernels(kw):
     want = ref_bwd.fwd_pass_state_bwd(*args)
     with emulated_kernels():
         got = launch_bwd.fwd_pass_state_bwd(*args)
+    _assert_no_aliasing(args, got)
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+
+
+def _assert_no_aliasing(args, outputs):
+    """The launchers are the CUDA implementations of custom ops, whose outputs may alias neither an input nor
+    each other (torch raises at dispatch otherwise, which the CPU reference path never shows)."""
+    assert not torch._C._any_output_is_alias_to_input_or_output(args, {}, tuple(outputs))
 
 
 @given(cases())
@@ -263,6 +272,7 @@ def test_compute_out_backward_kernels(kw):
     want = ref_bwd.compute_out_bwd(*args)
     with emulated_kernels():
         got = launch_bwd.compute_out_bwd(*args)
+    _assert_no_aliasing(args, got)
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name

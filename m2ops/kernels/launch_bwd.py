@@ -193,6 +193,6 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
         g_D = g_D.to(D.dtype)
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
     g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
-    empty = g_y.new_empty((0,))
+    # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     return (g_x.to(x.dtype), g_dt, g_cs, g_C, g_B, g_S.to(states.dtype),
-            g_D if g_D is not None else empty, g_z if g_z is not None else empty)
+            g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))

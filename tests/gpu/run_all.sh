@@ -4,6 +4,7 @@
 # Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
 # and on request: check32 memcheck32 kernels32 (the same with the 32-bit-indexed kernels, M2OPS_INDEX32=1),
 # variants (tests/gpu/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table).
+# LIMIT_<step>=seconds overrides a step's time limit.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-gpu-results}"
@@ -13,6 +14,7 @@ steps=("$@")
 
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
+  local override="LIMIT_$name"; secs=${!override:-$secs}  # e.g. LIMIT_backward=200 shortens one step
   echo "=== $name (limit ${secs}s): $*"
   local t0=$SECONDS
   timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
