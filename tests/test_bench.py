@@ -1,9 +1,11 @@
-"""The benchmark harness on the CPU: subprocess per point, errors recorded, resume keeps measured points."""
+"""The benchmark harness on the CPU: a worker process per peer (restarted after a failure or a timeout), errors
+recorded, resume keeps measured points."""
 
 import json
 import subprocess
 import sys
 
+from m2ops.bench.pool import Pool
 from m2ops.bench.shapes import Shape
 
 
@@ -22,6 +24,31 @@ def test_bench_records_times_and_peer_errors(tmp_path):
     # TileGym is not installed on the CPU machine (and needs a GPU): its failure is a row, not a crash.
     assert "error" in by_peer["tilegym"] and "ms" not in by_peer["tilegym"]
     assert "| 100 | 16 |" in table and "fails:" in table
+
+
+def _job(seqlen, peer="m2ops"):
+    shape = Shape(batch=1, seqlen=seqlen, nheads=2, headdim=8, ngroups=1, dstate=16, dtype="float32")
+    return dict(peer=peer, shape=shape.as_dict(), chunk_size=32, runs=2, warmup=1, device="cpu")
+
+
+def test_pool_serves_points_from_one_worker_and_replaces_a_failed_one():
+    with Pool() as pool:
+        first = pool.run("m2ops", _job(100), timeout=120)
+        pid = pool.workers["m2ops"].proc.pid
+        second = pool.run("m2ops", _job(200), timeout=120)
+        assert "ms" in first and "ms" in second
+        assert pool.workers["m2ops"].proc.pid == pid  # the same process served both points
+        failed = pool.run("m2ops", dict(_job(100), chunk_size=0), timeout=120)
+        assert "error" in failed and "m2ops" not in pool.workers  # a failed worker is dropped ...
+        assert "ms" in pool.run("m2ops", _job(100), timeout=120)  # ... and the next point gets a fresh one
+        assert pool.workers["m2ops"].proc.pid != pid
+
+
+def test_pool_records_a_timeout_and_kills_the_worker():
+    with Pool() as pool:
+        r = pool.run("m2ops", _job(100), timeout=0.01)  # not even the imports finish
+        assert r == {"error": "timeout after 0 s"} and not pool.workers
+        assert "ms" in pool.run("m2ops", _job(100), timeout=120)
 
 
 def test_bench_resume_keeps_measured_points(tmp_path):

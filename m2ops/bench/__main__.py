@@ -1,6 +1,7 @@
 """python -m m2ops.bench: m2ops side by side with mamba_ssm and TileGym (DESIGN.md §4).
 
-Each peer and shape runs in its own subprocess; errors and timeouts are recorded with the result. Writes
+Each peer runs in its own worker process, restarted after any failed point; errors and timeouts are recorded
+with the result. Writes
 results.json (merged with an earlier run's under --resume), results.md and speedup.png under --out.
 """
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 from .peers import PEERS
+from .pool import Pool
 from .report import markdown, plot
 from .shapes import grid, parse_sizes
 
@@ -44,25 +45,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_point(job, timeout):
-    cmd = [sys.executable, "-m", "m2ops.bench.worker", json.dumps(job)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit code {proc.returncode}: {' / '.join(tail)}"[:300]}
-
-
 def _progress(total):
     try:
         from tqdm import tqdm
         return tqdm(total=total, unit="point", file=sys.stderr)
     except ImportError:
         return None
+
+
+def _measure(pool, a, shape, peer, mode, results, path, bar, counter):
+    job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
+               device=a.device, backward=a.backward, check=a.check)
+    t0 = time.perf_counter()
+    r = pool.run(peer, job, a.timeout)
+    r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(), floor_ms=shape.floor_ms(backward=a.backward),
+             wall_s=round(time.perf_counter() - t0, 1))
+    results.append(r)
+    with open(path, "w") as f:  # after every point: a killed run keeps what it measured
+        json.dump(results, f, indent=1)
+    msg = f"{peer:>15} {shape.key}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:100])
+    if bar is not None:
+        bar.update(1)
+        bar.write(msg)
+    else:
+        print(f"{counter} {msg}", flush=True)
 
 
 def main(argv=None):
@@ -84,23 +90,9 @@ def main(argv=None):
     results = [r for r in results if (r["peer"], r["key"], r.get("mode", "fwd")) in done]
     todo = [(s, p) for s in shapes for p in peers if (p, s.key, mode) not in done]
     bar = _progress(len(todo))
-    for i, (shape, peer) in enumerate(todo):
-        job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
-                   device=a.device, backward=a.backward, check=a.check)
-        t0 = time.perf_counter()
-        r = run_point(job, a.timeout)
-        r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(),
-                 floor_ms=shape.floor_ms(backward=a.backward),
-                 wall_s=round(time.perf_counter() - t0, 1))
-        results.append(r)
-        with open(path, "w") as f:  # after every point: a killed run keeps what it measured
-            json.dump(results, f, indent=1)
-        msg = f"{peer:>15} {shape.key}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:100])
-        if bar is not None:
-            bar.update(1)
-            bar.write(msg)
-        else:
-            print(f"[{i + 1}/{len(todo)}] {msg}", flush=True)
+    with Pool() as pool:
+        for i, (shape, peer) in enumerate(todo):
+            _measure(pool, a, shape, peer, mode, results, path, bar, f"[{i + 1}/{len(todo)}]")
     if bar is not None:
         bar.close()
     results = [r for r in results if r.get("mode", "fwd") == mode]  # the table and plot of this mode

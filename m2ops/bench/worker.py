@@ -1,8 +1,16 @@
-"""One benchmark point in its own process (a peer's illegal memory access poisons its process):
-python -m m2ops.bench.worker '<json job>' prints one line 'RESULT <json>'."""
+"""The benchmark's worker process: one per peer, serving points one after another, so that the interpreter,
+the peer's imports and its compiled kernels are paid once per peer rather than once per point.
+
+    python -m m2ops.bench.worker '<json job>'   one point, prints one line 'RESULT <json>'
+    python -m m2ops.bench.worker --serve        reads one json job per line on stdin, answers each likewise
+
+After a failed point the serving worker exits (a peer's illegal memory access poisons its CUDA context), and
+the pool (pool.py) starts a fresh one for the next point.
+"""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -38,15 +46,35 @@ def _device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def main():
-    job = json.loads(sys.argv[1])
+def answer(job: dict) -> dict:
+    """The result of one job, or its error (recorded, never dropped)."""
     try:
-        result = run(job)
-    except Exception as e:  # recorded, never dropped
+        return run(job)
+    except Exception as e:
         tb = traceback.format_exc().strip().splitlines()
-        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
-                  "trace": tb[-3:]}
-    print("RESULT " + json.dumps(result), flush=True)
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
+                "trace": tb[-3:]}
+
+
+def _release():
+    # Idle workers of the other peers share the GPU: give back this point's memory before the next.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main():
+    if sys.argv[1:] != ["--serve"]:
+        print("RESULT " + json.dumps(answer(json.loads(sys.argv[1]))), flush=True)
+        return
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        result = answer(json.loads(line))
+        _release()
+        print("RESULT " + json.dumps(result), flush=True)
+        if "error" in result:
+            return
 
 
 if __name__ == "__main__":

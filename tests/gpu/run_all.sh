@@ -2,7 +2,7 @@
 # Every GPU check in one go, each step under its own time limit, results under ${OUT:-gpu-results}/.
 # Usage (on the GPU machine, after `source .device/env.sh`):  bash tests/gpu/run_all.sh [step ...]
 # Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
-# and on request: check32 memcheck32 kernels32 (the same with the 32-bit-indexed kernels, M2OPS_INDEX32=1),
+# and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
 # variants (tests/gpu/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table).
 # LIMIT_<step>=seconds overrides a step's time limit.
 set -uo pipefail
@@ -33,9 +33,9 @@ for s in "${steps[@]}"; do
     models) run models 420 python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
     model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
     profile) run profile 300 python tests/gpu/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
-    check32) run check32 240 env M2OPS_INDEX32=1 python tests/gpu/check_kernels.py ;;
-    memcheck32) run memcheck32 200 env M2OPS_INDEX32=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;
-    kernels32) run kernels32 420 env M2OPS_INDEX32=1 M2OPS_GPU_EXAMPLES=8 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py ;;
+    check64) run check64 240 env M2OPS_INDEX32=0 python tests/gpu/check_kernels.py ;;
+    memcheck64) run memcheck64 200 env M2OPS_INDEX32=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;
+    kernels64) run kernels64 420 env M2OPS_INDEX32=0 M2OPS_GPU_EXAMPLES=8 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py ;;
     variants) run variants 240 python tests/gpu/variants_scan.py --shapes 16K:128,64K:256,4K:128 --json "$OUT/variants.json" ;;
     backward_memcheck) run backward_memcheck 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 M2OPS_GPU_EXAMPLES=2 compute-sanitizer --tool memcheck python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
     profile_table) run profile_table 180 python -m m2ops.bench.profile --backward --rows 30 ;;

@@ -1,0 +1,92 @@
+"""Worker processes of the benchmark, one per peer (worker.py --serve), each restarted after a failure or a
+timeout so that no point runs in a process another point has broken."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+
+
+class _Worker:
+    def __init__(self):
+        self.log = tempfile.TemporaryFile(mode="w+")  # stderr, for the tail of a crash report
+        self.proc = subprocess.Popen([sys.executable, "-m", "m2ops.bench.worker", "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, bufsize=1)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.stopped = False
+
+    def ask(self, job: dict, timeout: float) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.select(left):
+                self.stop()
+                return {"error": f"timeout after {timeout:.0f} s"}
+            line = self.proc.stdout.readline()
+            if not line:  # the process died without answering
+                code = self.proc.wait()
+                return {"error": f"exit code {code}: {' / '.join(self._stderr_tail())}"[:300]}
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+
+    def _stderr_tail(self):
+        self.log.seek(0)
+        return self.log.read().strip().splitlines()[-3:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        self.sel.close()
+        self.log.close()
+
+
+class Pool:
+    """pool.run(peer, job, timeout) -> the worker's result dict; a worker per peer, started on demand."""
+
+    def __init__(self):
+        self.workers: dict = {}
+
+    def run(self, peer: str, job: dict, timeout: float) -> dict:
+        w = self.workers.get(peer)
+        if w is None or not w.alive():
+            if w is not None:
+                w.stop()
+            w = self.workers[peer] = _Worker()
+        result = w.ask(job, timeout)
+        if "error" in result:  # the worker exits after a failure; the next point gets a fresh one
+            w.stop()
+            del self.workers[peer]
+        return result
+
+    def close(self):
+        for w in self.workers.values():
+            if w.alive():
+                w.proc.stdin.close()  # end of jobs: the worker returns
+                try:
+                    w.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            w.stop()
+        self.workers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
