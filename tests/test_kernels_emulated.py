@@ -333,7 +333,7 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
-    """The CB_IN_BF16 experiment (C . B^T stored in bfloat16) stays within the bfloat16 tolerance of y."""
+    """CB_IN_BF16 (C . B^T stored in bfloat16, the default) stays within the bfloat16 tolerance of y."""
     monkeypatch.setattr(launch, "CB_IN_BF16", True)
     case = _bf16_case(chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16, dstate=64, D="h",
                       z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=7)
@@ -364,7 +364,7 @@ def test_wider_dstate_tiles(monkeypatch, dstate):
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
-    """The STATES_IN_BF16 experiment: state_passing writes the entering states to a separate bfloat16 array
+    """STATES_IN_BF16 (the default): state_passing writes the entering states to a separate bfloat16 array
     (SEP), compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept
     float32) within the states'."""
     monkeypatch.setattr(launch, "STATES_IN_BF16", True)

@@ -126,13 +126,25 @@ HINT_OVERRIDE: dict = {}
 # kernel name -> constants that replace the launcher's (profiling experiments); empty in normal use.
 CONSTANT_OVERRIDE: dict = {}
 # C . B^T stored in bfloat16 for bfloat16 inputs (half of compute_out's largest read, 10 of the ~29 tiles a
-# (chunk, head) reads at chunk 256; the product is rounded twice instead of once). Experiment, off until
-# timed: tests/gpu/variants_scan.py "cb bf16".
-CB_IN_BF16 = False
-# chunk_scan's entering states written in bfloat16 by state_passing for compute_out's bfloat16 state product
-# (SBF): half the bytes of state_passing's writes and compute_out's state reads; the recurrence itself and the
-# final state stay float32. Experiment, off until timed: tests/gpu/variants_scan.py "states bf16".
-STATES_IN_BF16 = False
+# (chunk, head) reads at chunk 256; the product is rounded to bfloat16 before its product with x, as x itself
+# is). chunk_scan's entering states written in bfloat16 by state_passing for compute_out's bfloat16 state
+# product (SBF): half the bytes of state_passing's writes and compute_out's state reads; the recurrence and the
+# final state stay float32. Together, on the H200 with the 32-bit-indexed kernels (tests/gpu/variants_scan.py,
+# chunk 256): compute_out 0.540 -> 0.283 ms and the call 1.19 -> 0.93 ms at T=16K N=128, compute_out 2.73 ->
+# 1.35 ms and the call 6.12 -> 4.69 ms at T=64K N=256; y moved by 1.8e-3 relative (bfloat16's rounding).
+CB_IN_BF16 = True
+STATES_IN_BF16 = True
+
+
+def cb_dtype_name(dtype: str) -> str:
+    """dtype of chunk_cb's C . B^T (compute_out's input) for activations of dtype (forward)."""
+    return "bfloat16" if (CB_IN_BF16 and dtype == "bfloat16") else "float32"
+
+
+def entering_dtype_names(dtype: str) -> tuple:
+    """The dtypes of the entering states compute_out can read for activations of dtype: float32 (the
+    fwd_pass_state op's output) and, in chunk_scan's two-op path, bfloat16 where STATES_IN_BF16 applies."""
+    return ("float32", "bfloat16") if (STATES_IN_BF16 and dtype == "bfloat16") else ("float32",)
 
 
 def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
@@ -405,7 +417,7 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     n_rblocks = cdiv(T, BL)
 
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
-    cb_dtype = torch.bfloat16 if (CB_IN_BF16 and mma_dtype == torch.bfloat16) else torch.float32
+    cb_dtype = getattr(torch, cb_dtype_name(_dtype_name(mma_dtype)))
     cb = torch.empty((b, num_chunks(T, L), g, L, L), dtype=cb_dtype, device=dev)
     kc = chunk_cb_constants(L)
     _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))

@@ -101,9 +101,11 @@ def _a(dtype, ndim):
 _INT, _FLOAT = ("int",), ("float",)
 
 
-def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32) -> tuple:
+def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32) -> tuple:
     """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
-    dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays."""
+    dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays; state_dtype is also
+    state_passing's separate entering-state output and compute_out's states; cb_dtype: chunk_cb's output and
+    compute_out's C . B^T."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -111,15 +113,16 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5),
                 _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_passing":
-        return (_a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(F32, 4),
+        return (_a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
                 _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_cb":
-        return (_a(dt, 4), _a(dt, 4), _a(F32, 5), _INT)
+        return (_a(dt, 4), _a(dt, 4), _a(cb_dtype, 5), _INT)
     if kernel_name == "varlen_states":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
                 _INT, _INT)
     if kernel_name == "compute_out":
-        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(F32, 2), _a(dt, 4),
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
+                _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "segment_state":
@@ -177,11 +180,18 @@ def all_specs() -> list[Spec]:
                                     _params("chunk_state", dt), _hints("chunk_state", dt, L)))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
-            out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt)))
+            # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
+            cbd = launch.cb_dtype_name(dt)
+            for cb_dtype in sorted({F32, cbd}):
+                out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt, cb_dtype=cb_dtype),
+                                dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
             for has_seq in (False, True):
                 for check in (True, False):
-                    out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
-                                    _params("compute_out", dt), _hints("compute_out", dt, L)))
+                    for sd in launch.entering_dtype_names(dt):
+                        extra = tuple((role, d) for role, d in (("cb", cbd), ("states", sd)) if d != F32)
+                        out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
+                                        _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
+                                        _hints("compute_out", dt, L), dtypes=extra))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
         for nt in SEGMENT_NTS:
@@ -189,10 +199,16 @@ def all_specs() -> list[Spec]:
                 k = launch.segment_constants(nt, has_seq)
                 for name in ("segment_state", "segment_out"):
                     out.append(Spec(name, dt, k, _params(name, dt)))
+    # state_passing also writes the entering states to their own array in each dtype besides float32 that
+    # compute_out reads them in (launch.entering_dtype_names).
+    separate = sorted({d for dt in INPUT_DTYPES for d in launch.entering_dtype_names(dt)} - {F32})
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
+            for sd in separate:
+                out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq, separate=True),
+                                _params("state_passing", F32, state_dtype=sd), dtypes=(("entering", sd),)))
     # Backward kernels (launch_bwd.py). Apart from
     # chunk_cumsum_bwd they take the chunk size at run time: one specialisation per token block it implies.
     for dt in INPUT_DTYPES:

@@ -4,7 +4,7 @@ docs/performance-log.md):
     python tests/gpu/variants_scan.py [--shapes 16K:128,64K:256] [--chunk 256] [--json OUT/variants.json]
 
 Each variant sets launch.CONSTANT_OVERRIDE / launch.HINT_OVERRIDE (compile-time constants and ct.kernel hints
-of chunk_state and compute_out) and index_width.NARROW_INDEX (32-bit-indexed kernels), runs the public call, checks y and the final state against the 64-bit-indexed kernels'
+of chunk_state and compute_out) and index_width.NARROW_INDEX (32-bit-indexed kernels), runs the public call, checks y and the final state against the 64-bit-indexed kernels' with float32 C.B^T and states
 (relative error), and reports the median call time and each kernel's time (torch profiler). Shapes as
 profile_scan.py: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states. Tuning is off.
 """
@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    narrow_default = index_width.NARROW_INDEX
+    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
         T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
@@ -64,7 +64,8 @@ def main():
                          initial_states=True, chunk_size=L)
         case["dt"] = case["dt"].float()
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
-        index_width.NARROW_INDEX = False  # errors are against the 64-bit-indexed kernels
+        # errors are against the 64-bit-indexed kernels with float32 C . B^T and states
+        index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = False, False, False
         y0, fin0 = call()
         for name in args.variants.split(","):
             consts, hints, narrow = VARIANTS[name][:3]
@@ -85,9 +86,7 @@ def main():
             finally:
                 launch.CONSTANT_OVERRIDE.clear()
                 launch.HINT_OVERRIDE.clear()
-                index_width.NARROW_INDEX = narrow_default
-                launch.CB_IN_BF16 = False
-                launch.STATES_IN_BF16 = False
+                index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = defaults
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
