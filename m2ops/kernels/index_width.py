@@ -30,8 +30,11 @@ _INT32_MAX = 2 ** 31 - 1
 def fits_int32(args) -> bool:
     """Whether every element of every tensor in args sits at an offset (in elements) int32 can hold."""
     for a in args:
-        if isinstance(a, torch.Tensor) and a.numel() > 0:
-            if sum((s - 1) * abs(st) for s, st in zip(a.shape, a.stride())) > _INT32_MAX:
+        if isinstance(a, torch.Tensor):
+            n = a.numel()
+            if n <= _INT32_MAX and a.is_contiguous():  # the common case, without a loop over dimensions
+                continue
+            if n > 0 and sum((s - 1) * abs(st) for s, st in zip(a.shape, a.stride())) > _INT32_MAX:
                 return False
     return True
 
