@@ -1,0 +1,93 @@
+"""Where the backward's time goes, on a GPU, as a script:
+
+    python tests/gpu/backward_scan.py [--shapes 16K:128,64K:128] [--chunk 256] [--rows 14] [--json OUT]
+
+For each shape (B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, A, D, initial states, final states): the median
+time of the public call's forward alone and of forward + backward (gradients of x, dt, A, B, C, D and the
+initial state, as `python -m m2ops.bench --backward` times them), then the device time per call of each
+kernel the pair launches, cuTile kernels by name and PyTorch's own kernels (the element-wise glue around
+them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M2OPS_AUTOTUNE=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_kernels import _median_ms  # noqa: E402
+from gpu_cases import make_case, public_call  # noqa: E402
+
+from m2ops.bench.shapes import parse_sizes  # noqa: E402
+
+
+def _kernel_name(key: str) -> str:
+    """A cuTile symbol's kernel name ('compute_out_kernel_Kt2_A4...' -> 'compute_out_kernel'); others as is."""
+    cut = key.find("_kernel_")
+    return key[:cut + len("_kernel")] if cut > 0 else key[:70]
+
+
+def device_times(fn, reps=5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for ev in prof.key_averages():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        if us:
+            name = _kernel_name(ev.key)
+            out[name] = out.get(name, 0.0) + us / 1000.0 / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16K:128,64K:128")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for spec in args.shapes.split(","):
+        t_s, n_s = spec.split(":")
+        T, N = parse_sizes(t_s)[0], int(n_s)
+        case = make_case(seqlen=T, nheads=80, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
+                         initial_states=True, chunk_size=args.chunk)
+        case["dt"] = case["dt"].float()
+        leaves = {k: case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")}
+        y, final = public_call(case, return_final_states=True)
+        g_y, g_final = torch.randn_like(y), torch.randn_like(final)
+
+        def forward():
+            with torch.no_grad():
+                return public_call(case, return_final_states=True)
+
+        def both():
+            out_y, out_final = public_call(case, return_final_states=True)
+            torch.autograd.grad((out_y, out_final), list(leaves.values()), (g_y, g_final))
+
+        r = dict(T=T, N=N, L=args.chunk, fwd_ms=_median_ms(forward), fwd_bwd_ms=_median_ms(both),
+                 kernels=device_times(both))
+        rows.append(r)
+        print(f"T={T} N={N} L={args.chunk}: forward {r['fwd_ms']:.3f} ms, forward+backward {r['fwd_bwd_ms']:.3f} ms; "
+              f"device time per call by kernel (ms):", flush=True)
+        for name, ms in list(r["kernels"].items())[:args.rows]:
+            print(f"    {ms:8.3f}  {name}", flush=True)
+        print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
