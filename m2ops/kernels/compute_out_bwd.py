@@ -9,7 +9,8 @@ i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradient
                                                                                            headdim tile)
     gW_mj       = G_m x_j^T;  dt_s += colsum(gW CB decay);  cs_l += rowsum(gW W);  cs_s -= colsum(gW W);
     cs_l       += i_l rowsum(G_m * (C_m S^T))                       out_bwd_dw_kernel     (row block, head)
-    dCB_mj      = sum over the group's heads of gW_mj decay dt_s    out_bwd_dcb_kernel    (row block, group)
+    dCB_mj      = sum over the group's heads of gW_mj decay dt_s    out_bwd_dcb_kernel    (row block, column
+                                                                                           block, group)
     dC_m        = sum_j dCB_mj B_j + sum_r i_m G_rm S_r;  dB_j = sum_m dCB_mj^T C_m
                                                                     out_bwd_dcdb_kernel   (row block, group,
                                                                                            dstate tile)
@@ -140,15 +141,18 @@ def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: B
 def out_bwd_dcb_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_cb: Big,
                        seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int,
                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
+    # One program per (row block m, column block j, group), j > m idle: the heads of the group are summed
+    # in the program, so the grid is what gives the parallelism (at 4K tokens and chunk 256, 64 row blocks).
     pid = ct.bid(0)
     b = ct.bid(1)
-    g = pid % ngroups
-    rb = pid // ngroups
     nb = L // BL
+    g = pid % ngroups
+    rest = pid // ngroups
+    j = rest % nb
+    rb = rest // nb
     c = rb // nb
     m = rb % nb
-
-    for j in range(m + 1):
+    if j <= m:
         jrow = c * nb + j
         acc = ct.zeros((BL, BL), dtype=ct.float32)
         for r in range(heads_per_group):

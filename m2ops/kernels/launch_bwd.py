@@ -108,7 +108,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
             (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
              T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
     g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
-    launch._launch((nchunks * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
+    launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
             (xk, dtk, csk, seq, g_local, g_B,
              T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
 
@@ -175,7 +175,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
                     T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     g_cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * g, b, 1), out_bwd_dcb_kernel,
+    launch._launch((n_rblocks * nb * g, b, 1), out_bwd_dcb_kernel,
                    (G, xk, dtk, csk, seq, g_cb, T, g, h // g, n_ptiles, *consts3))
 
     g_C = torch.empty((b, T, g, n), dtype=C.dtype, device=dev)

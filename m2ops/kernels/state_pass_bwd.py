@@ -9,8 +9,8 @@ in the forward, and gS_C = g_final:
 2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
    tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M and this headdim tile's share of
    g_w = sum_p x M.
-3. chunk_state_bwd_b_kernel, one program per (chunk, group, dstate tile, batch row): g_B = sum over the
-   group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
+3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
+   over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
 
 The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
 (b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32).
@@ -93,15 +93,17 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
 def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big, g_B: Big,
                              seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
                              BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+    # One program per (chunk, token block, group, dstate tile): the heads of the group are summed in the
+    # program, so the token blocks in the grid are what gives the parallelism at short sequences.
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
     rest = pid // n_ntiles
     g = rest % ngroups
-    c = rest // ngroups
-
-    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
-    for sb in range(n_sub):
+    rest = rest // ngroups
+    sb = rest % (L // BL)
+    c = rest // (L // BL)
+    if c * L + sb * BL < seqlen:
         row = c * (L // BL) + sb
         acc = ct.zeros((BL, TN), dtype=ct.float32)
         for r in range(heads_per_group):
