@@ -19,7 +19,8 @@ i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradient
 
 Sums that several programs contribute to (dt and the column part of cs) are written per contributing row
 block into zero-initialised (b, h, L/BL, nchunks*L) buffers and summed by the launcher; everything else has
-one writer. Products with G (float32) run in tf32; those of inputs alone in the input dtype.
+one writer. Products with G run in tf32 (G is read in float32, or in bfloat16 for bfloat16 inputs, and
+widened); those of inputs alone in the input dtype.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def _tf32(t):
     return t.astype(ct.float32).astype(ct.tfloat32)
 
 
+def _g_rows(G, b, row, h, pt, BL, TP):
+    """Block `row` (BL tokens) of G for head h and headdim tile pt, in float32 whatever G's dtype (the
+    launcher passes G in bfloat16 for bfloat16 inputs: half the bytes of the kernels' largest read)."""
+    return ct.load(G, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP)).astype(ct.float32)
+
+
 @ct.kernel
 def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, g_x: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int,
@@ -88,7 +95,7 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     for m in range(j, _rows_in_chunk(seqlen, c, L, BL)):
         decay, dt_j = _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ)
         w = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL)) * decay * dt_j[None, :]
-        gm = ct.load(G, (b, c * nb + m, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP)
         acc = ct.mma(_tf32(ct.transpose(w)), _tf32(gm), acc)
     ct.store(g_x, (b, rb, h, pt), acc.reshape((1, BL, 1, TP)))
 
@@ -114,7 +121,7 @@ def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: B
         cbt = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
         gw = ct.zeros((BL, BL), dtype=ct.float32)
         for pt in range(n_ptiles):
-            gm = ct.load(G, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+            gm = _g_rows(G, b, rb, h, pt, BL, TP)
             xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
             gw = ct.mma(_tf32(gm), _tf32(ct.transpose(xj)), gw)
         t = gw * decay * cbt
@@ -131,7 +138,7 @@ def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: B
             ci = ct.load(C, (b, rb, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             st = ct.load(states, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN), padding_mode=_ZERO).reshape((TP, TN))
             cs_ = ct.mma(_tf32(ci), _tf32(ct.transpose(st)), cs_)
-        gm = ct.load(G, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        gm = _g_rows(G, b, rb, h, pt, BL, TP)
         inter_sum = inter_sum + ct.sum(gm * cs_, axis=1)
     row_sum = row_sum + inter_sum * _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ)
     ct.store(g_cs_row, (b, h, rb), row_sum.reshape((1, 1, BL)))
@@ -160,7 +167,7 @@ def out_bwd_dcb_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             decay, dt_j = _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ)
             gw = ct.zeros((BL, BL), dtype=ct.float32)
             for pt in range(n_ptiles):
-                gm = ct.load(G, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+                gm = _g_rows(G, b, rb, h, pt, BL, TP)
                 xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
                 gw = ct.mma(_tf32(gm), _tf32(ct.transpose(xj)), gw)
             acc = acc + gw * decay * dt_j[None, :]
@@ -192,7 +199,7 @@ def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq
         h = g * heads_per_group + r
         i = _inter(dA_cumsum, seq_idx, b, h, c, q, L, BL, HAS_SEQ)
         for pt in range(n_ptiles):
-            gm = ct.load(G, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+            gm = _g_rows(G, b, rb, h, pt, BL, TP)
             st = ct.load(states, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN), padding_mode=_ZERO).reshape((TP, TN))
             acc = ct.mma(_tf32(gm * i[:, None]), _tf32(st), acc)
     ct.store(g_C, (b, rb, g, nt), acc.astype(g_C.dtype).reshape((1, BL, 1, TN)))
@@ -224,7 +231,7 @@ def out_bwd_dstates_kernel(G: Big, dA_cumsum: Big, C: Big, seq_idx: Big, g_state
     acc = ct.zeros((TP, TN), dtype=ct.float32)
     for m in range(_rows_in_chunk(seqlen, c, L, BL)):
         i = _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ)
-        gm = ct.load(G, (b, c * nb + m, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP)
         cm = ct.load(C, (b, c * nb + m, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
         acc = ct.mma(_tf32(ct.transpose(gm * i[:, None])), _tf32(cm), acc)
     ct.store(g_states, (b, c, h, pt, nt), acc.reshape((1, 1, 1, TP, TN)))

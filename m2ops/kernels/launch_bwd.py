@@ -123,6 +123,18 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
 
 
+# compute_out_bwd's G (dL/dy before the gate) passed to its kernels in bfloat16 for bfloat16 inputs: G is the
+# caller's dy itself without z (no rounding, no copy), dy times the gate's derivative rounded once with z; the
+# kernels widen it to float32 on load, so only the bytes they read change (G is the largest array five of
+# the six kernels read).
+G_IN_BF16 = True
+
+
+def g_dtype_name(dtype: str) -> str:
+    """dtype of compute_out_bwd's G for activations of dtype."""
+    return "bfloat16" if (G_IN_BF16 and dtype == "bfloat16") else "float32"
+
+
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
     """As chunk_state_bwd_constants: the chunk size is a run-time argument."""
     return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
@@ -150,13 +162,13 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     consts3 = (L, k["BL"], k["TP"], k["HAS_SEQ"])
 
     # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
-    gy = g_y.float()
+    gy = g_y
     g_D = g_z = None
     if z is not None:
         y1 = compute_out(x, dt_out, dA_cumsum, C, B, states, D, None, seq_idx).float()
-        g_z, gy = ref_bwd.gate_grads(gy, y1, z.float())
+        g_z, gy = ref_bwd.gate_grads(g_y.float(), y1, z.float())
         g_z = g_z.to(z.dtype)
-    G = gy.contiguous()
+    G = gy.to(getattr(torch, g_dtype_name(launch._dtype_name(mma_dtype)))).contiguous()
 
     # C . B^T per (chunk, group), as in the forward.
     cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
@@ -188,7 +200,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     if D is not None:
-        g_x_D, g_D = ref_bwd.skip_grads(G, x.float(), D.float())
+        g_x_D, g_D = ref_bwd.skip_grads(gy.float(), x.float(), D.float())
         g_x = g_x + g_x_D
         g_D = g_D.to(D.dtype)
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)

@@ -101,11 +101,12 @@ def _a(dtype, ndim):
 _INT, _FLOAT = ("int",), ("float",)
 
 
-def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32) -> tuple:
+def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32,
+            g_dtype: str = F32) -> tuple:
     """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
     dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays; state_dtype is also
     state_passing's separate entering-state output and compute_out's states; cb_dtype: chunk_cb's output and
-    compute_out's C . B^T."""
+    compute_out's C . B^T; g_dtype: compute_out_bwd's G."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -145,18 +146,18 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
-        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4),
+        return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dw":
-        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
+        return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
                 _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcb":
-        return (_a(F32, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
+        return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcdb":
-        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
+        return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _a(dt, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dstates":
-        return (_a(F32, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT, _INT)
+        return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
@@ -221,11 +222,15 @@ def all_specs() -> list[Spec]:
                     out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq), _params(name, dt)))
                 k4 = launch_bwd.compute_out_bwd_constants(L, has_seq)
                 k3 = {key: v for key, v in k4.items() if key != "TN"}
+                gd = launch_bwd.g_dtype_name(dt)
+                extra = (("G", gd),) if gd != F32 else ()
                 for name in ("out_bwd_dw", "out_bwd_dcdb", "out_bwd_dstates"):
-                    out.append(Spec(name, dt, k4, _params(name, dt)))
-                out.append(Spec("out_bwd_dcb", dt, k3, _params("out_bwd_dcb", dt)))
-                if dt == INPUT_DTYPES[0]:  # reads only float32 arrays: once per token block
-                    out.append(Spec("out_bwd_dx", F32, k3, _params("out_bwd_dx", F32)))
+                    out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), dtypes=extra))
+                out.append(Spec("out_bwd_dcb", dt, k3, _params("out_bwd_dcb", dt, g_dtype=gd), dtypes=extra))
+                # out_bwd_dx reads no activation, only G and float32 arrays: once per token block and G dtype.
+                if dt == INPUT_DTYPES[0]:
+                    for g_dtype in sorted({launch_bwd.g_dtype_name(d) for d in INPUT_DTYPES}):
+                        out.append(Spec("out_bwd_dx", g_dtype, k3, _params("out_bwd_dx", F32, g_dtype=g_dtype)))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
