@@ -79,6 +79,10 @@ def check_all_ops(inp, L, softplus, limit, seed=0):
     got = bwd.fwd_pass_state_bwd(*cots, inp["x"], inp["B"], dt_out, dA_cumsum, inp["initial_states"], seq_idx, cu)
     check(got, want, args, ["x", "B", "dt_out", "dA_cumsum", "initial_states"], "fwd_pass_state")
     states = outs[0].detach()
+    # ... and given the entering states instead of recomputing them
+    got = bwd.fwd_pass_state_bwd(*cots, inp["x"], inp["B"], dt_out, dA_cumsum, inp["initial_states"], seq_idx, cu,
+                                 states)
+    check(got, want, args, ["x", "B", "dt_out", "dA_cumsum", "initial_states"], "fwd_pass_state, states given")
 
     # compute_out
     args = [leaf(inp["x"]), leaf(dt_out), leaf(dA_cumsum), leaf(inp["C"]), leaf(inp["B"]), leaf(states),

@@ -244,11 +244,14 @@ def test_backward_kernels(kw):
     want = ref_bwd.fwd_pass_state_bwd(*args)
     with emulated_kernels():
         got = launch_bwd.fwd_pass_state_bwd(*args)
+        # given the entering states (as chunk_scan's backward passes them), the same without recomputing
+        got_given = launch_bwd.fwd_pass_state_bwd(*args, mid["states"])
     _assert_no_aliasing(args, got)
     dtype = case["x"].dtype
-    for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
+    for name, a, b, c in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_given):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+        assert rel_err(c, b) <= BWD_TOL[dtype], f"{name} (states given): {rel_err(c, b):.3e}"
 
 
 def _assert_no_aliasing(args, outputs):

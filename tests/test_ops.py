@@ -69,6 +69,7 @@ def bwd_args(case, dtype=torch.float32):
     return dict(
         cumsum=(cot(o["dt_out"]), cot(o["dA_cumsum"]), *s["cumsum"]),
         state=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"]),
+        state_given=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"], o["states"].detach()),
         out=(cot(o["y"]), *s["out"]),
     )
 
@@ -77,6 +78,7 @@ FWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum.default, "state": torch.ops.m2
            "out": torch.ops.m2ops.compute_out.default, "scan": torch.ops.m2ops.chunk_scan.default}
 BWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum_bwd.default,
            "state": torch.ops.m2ops.fwd_pass_state_bwd.default,
+           "state_given": torch.ops.m2ops.fwd_pass_state_bwd.default,  # with the forward's entering states
            "out": torch.ops.m2ops.compute_out_bwd.default}
 
 

@@ -67,13 +67,13 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens):
+                       cu_seqlens, states=None):
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, B, dt_out, dA_cumsum, g_states, g_final) or dt_out.dtype == torch.float64
             or g_states.dtype == torch.float64 or not supported_chunk_size(L)
             or (cu_seqlens is not None and g_varlen.numel() > 0)):
         return ref_bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states,
-                                          seq_idx, cu_seqlens)
+                                          seq_idx, cu_seqlens, states)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nchunks = dt_out.shape[2]
@@ -84,8 +84,11 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     has_seq = seq_idx is not None
 
-    # The entering states again (the forward kernels), then the reverse recurrence over chunks.
-    states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    # The entering states (the caller's, else again with the forward kernels), then the reverse recurrence.
+    if states is None:
+        states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    else:
+        states = _as(states, torch.float32).contiguous()
     pn = p * n
     blk = state_passing_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)

@@ -2,8 +2,8 @@
 but not the state entering every chunk (the public function without return_varlen_states).
 
 On CUDA it runs the fused kernels of m2ops/kernels/segments.py, which never write per-chunk states; its math
-is the reference composition of the two ops. Its backward recomputes the per-chunk states with the
-fwd_pass_state op and runs the two ops' backward ops, so gradients are exactly theirs.
+is the reference composition of the two ops. Its backward recomputes the per-chunk states once with the
+fwd_pass_state op and runs the two ops' backward ops on them, so gradients are exactly theirs.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def _backward(ctx, g_y, g_final):
         states, _, varlen = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
     g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
                                                                     D, z, seq_idx)
+    # The states just recomputed serve fwd_pass_state_bwd too (freed when the backward returns).
     g_x2, g_B2, g_dt2, g_dA2, g_init = fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
-                                                          dt_out, dA_cumsum, initial_states, seq_idx, None)
+                                                          dt_out, dA_cumsum, initial_states, seq_idx, None, states)
     return (g_x + g_x2, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
             g_init if initial_states is not None else None,
             g_D if D is not None else None, g_z if z is not None else None, None)

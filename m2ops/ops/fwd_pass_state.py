@@ -23,10 +23,12 @@ def fwd_pass_state(x: Tensor, B: Tensor, dt_out: Tensor, dA_cumsum: Tensor, init
 @custom_op("m2ops::fwd_pass_state_bwd", mutates_args=())
 def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: Tensor, B: Tensor, dt_out: Tensor,
                        dA_cumsum: Tensor, initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                       cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None)."""
+                       cu_seqlens: Optional[Tensor], states: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None). states: the forward's
+    entering states (fwd_pass_state's first output) where the caller has them, else recomputed."""
     return bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                                  cu_seqlens)
+                                  cu_seqlens, states)
 
 
 fwd_pass_state.register_fake(fake.fwd_pass_state)

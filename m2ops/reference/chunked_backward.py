@@ -119,9 +119,9 @@ def token_weight_grads(g_w, decay, w, g_carry, carry):
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens):
+                       cu_seqlens, states=None):
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (an empty tensor like g_states when it is
-    None). Recomputes the entering states (the forward recurrence) from the inputs."""
+    None). Uses the entering states where given, else recomputes them (the forward recurrence)."""
     b, T, h, p = x.shape
     g, n = B.shape[2:]
     L = dt_out.shape[-1]
@@ -134,14 +134,16 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     w = decay * dt_out.to(acc)
     w_t = w.permute(0, 2, 3, 1)  # b c l h
 
-    # The forward recurrence again: the backward needs every entering state S_c.
-    local = torch.einsum("bclgrp,bclgn->bcgrpn", by_group(xc * w_t[..., None], g, 3), Bc).flatten(2, 3)
-    s = initial_states.to(acc) if initial_states is not None else x.new_zeros((b, h, p, n), dtype=acc)
-    entering = []
-    for c in range(nc):
-        entering.append(s)
-        s = carry[:, :, c, None, None] * s + local[:, c]
-    states = torch.stack(entering, dim=1) if nc else x.new_zeros((b, 0, h, p, n), dtype=acc)
+    if states is not None:
+        states = states.to(acc)
+    else:  # the forward recurrence again: the backward needs every entering state S_c
+        local = torch.einsum("bclgrp,bclgn->bcgrpn", by_group(xc * w_t[..., None], g, 3), Bc).flatten(2, 3)
+        s = initial_states.to(acc) if initial_states is not None else x.new_zeros((b, h, p, n), dtype=acc)
+        entering = []
+        for c in range(nc):
+            entering.append(s)
+            s = carry[:, :, c, None, None] * s + local[:, c]
+        states = torch.stack(entering, dim=1) if nc else x.new_zeros((b, 0, h, p, n), dtype=acc)
 
     g_st = g_states.to(acc)
     g_x = torch.zeros_like(xc)
