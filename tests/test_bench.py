@@ -51,6 +51,18 @@ def test_pool_records_a_timeout_and_kills_the_worker():
         assert "ms" in pool.run("m2ops", _job(100), timeout=120)
 
 
+def test_pool_timeout_holds_while_a_worker_prints_without_a_newline():
+    """A peer's progress output without a newline (a \\r progress bar) must not keep the pool waiting."""
+    import time
+
+    from m2ops.bench.pool import _Worker
+    script = "import sys, time\nsys.stdin.readline()\nprint('progress 1/8', end='', flush=True)\ntime.sleep(60)"
+    w = _Worker([sys.executable, "-c", script])
+    t0 = time.monotonic()
+    assert w.ask({"job": 1}, timeout=2) == {"error": "timeout after 2 s"}
+    assert time.monotonic() - t0 < 20 and not w.alive()
+
+
 def test_bench_resume_keeps_measured_points(tmp_path):
     first, _ = _bench(tmp_path, "--peers", "m2ops")
     again, _ = _bench(tmp_path, "--peers", "m2ops", "--resume")

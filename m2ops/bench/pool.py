@@ -4,6 +4,7 @@ timeout so that no point runs in a process another point has broken."""
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import subprocess
 import sys
@@ -12,30 +13,36 @@ import time
 
 
 class _Worker:
-    def __init__(self):
+    def __init__(self, cmd=None):
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr, for the tail of a crash report
-        self.proc = subprocess.Popen([sys.executable, "-m", "m2ops.bench.worker", "--serve"],
+        self.proc = subprocess.Popen(cmd or [sys.executable, "-m", "m2ops.bench.worker", "--serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.pending = b""  # stdout read but not yet split into lines
         self.stopped = False
 
     def ask(self, job: dict, timeout: float) -> dict:
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
         while True:
+            # Raw reads, not readline: a peer's progress output without a newline must not block the timeout.
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                if line.startswith(b"RESULT "):
+                    return json.loads(line[len(b"RESULT "):].decode())
             left = deadline - time.monotonic()
             if left <= 0 or not self.sel.select(left):
                 self.stop()
                 return {"error": f"timeout after {timeout:.0f} s"}
-            line = self.proc.stdout.readline()
-            if not line:  # the process died without answering
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the process died without answering
                 code = self.proc.wait()
                 return {"error": f"exit code {code}: {' / '.join(self._stderr_tail())}"[:300]}
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
+            self.pending += chunk
 
     def _stderr_tail(self):
         self.log.seek(0)
