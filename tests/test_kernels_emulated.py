@@ -385,3 +385,19 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states (bf16)")
     _check(y, y_ref, "y", torch.bfloat16, "y")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
+
+
+def test_every_launch_above_is_a_compiled_specialisation():
+    """Every launch the tests above ran (kernel, compiler options, array dtypes and ranks, constants; launches
+    under a profiling override excluded) is one of m2ops.kernels.specs.all_specs(), the list the compile test
+    builds for every architecture: a launcher cannot use a dtype or constant combination CI never compiled.
+    Runs last in this module, over what the module's earlier tests launched."""
+    from tile_emulator import LAUNCHED
+
+    from m2ops.kernels import specs
+    if not LAUNCHED:
+        pytest.skip("no emulated launches recorded in this process (run the whole module)")
+    known = {s.key() for s in specs.all_specs() if not s.narrow}
+    unknown = sorted(LAUNCHED - known, key=str)
+    assert not unknown, f"{len(unknown)} launched specialisations are not in all_specs(), e.g. {unknown[:2]}"
+

@@ -179,6 +179,17 @@ def run(kernel, grid, args, emu: _Emu):
                 fn(*args)
 
 
+# specs.launch_key of every launch run here without a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE):
+# tests/test_kernels_emulated.py checks that each is a specialisation the compile test builds.
+LAUNCHED: set = set()
+
+
+def _record(kernel, args):
+    from m2ops.kernels import launch, specs
+    if not launch.CONSTANT_OVERRIDE and not launch.HINT_OVERRIDE:
+        LAUNCHED.add(specs.launch_key(kernel, args))
+
+
 @contextlib.contextmanager
 def emulated_kernels(sm_count: int = 132):
     """Within the block, m2ops.kernels.launch launches run on the CPU through the emulator; _sm_count says
@@ -193,7 +204,7 @@ def emulated_kernels(sm_count: int = 132):
     try:
         for m in mods:
             m.ct = emu
-        launch._launch = lambda grid, kernel, args: run(kernel, grid, args, emu)
+        launch._launch = lambda grid, kernel, args: (_record(kernel, args), run(kernel, grid, args, emu))
         launch._sm_count = lambda device: sm_count
         if not had_astype:
             torch.Tensor.astype = _astype

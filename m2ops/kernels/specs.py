@@ -71,6 +71,39 @@ class Spec:
     def signature(self) -> KernelSignature:
         return _signature(self.kernel, self.params, self.constants)
 
+    def key(self) -> tuple:
+        """What tells this specialisation apart, in the form launch_key gives a launch (64-bit kernels)."""
+        k = self.kernel if not self.narrow else (launch._hinted(self.kernel_name, self.hints) if self.hints
+                                                  else _KERNELS[self.kernel_name])
+        params = iter(self.params)
+        parts = []
+        for name, node in zip(k._annotated_function.pysig.parameters, k._annotated_function.parameter_annotations):
+            if node.constant:
+                parts.append((name, self.constants[name]))
+            else:
+                kind = next(params)
+                parts.append((name, *kind[1:]) if kind[0] == "array" else (name, kind[0]))
+        return (k._pyfunc.__name__, _options(k), tuple(parts))
+
+
+def launch_key(kernel, args) -> tuple:
+    """The Spec.key() a launch of kernel with args (in the order of its Python signature) needs: the kernel,
+    its compiler options, each array's dtype and rank, each scalar's kind, each constant's value."""
+    parts = []
+    ann = kernel._annotated_function
+    for name, node, a in zip(ann.pysig.parameters, ann.parameter_annotations, args):
+        if node.constant:
+            parts.append((name, a))
+        elif hasattr(a, "dtype") and hasattr(a, "dim"):
+            parts.append((name, str(a.dtype).replace("torch.", ""), a.dim()))
+        else:
+            parts.append((name, "float" if isinstance(a, float) else "int"))
+    return (kernel._pyfunc.__name__, _options(kernel), tuple(parts))
+
+
+def _options(kernel) -> tuple:
+    return tuple(sorted((k, v) for k, v in dataclasses.asdict(kernel._compiler_options).items() if v is not None))
+
 
 _KERNELS = {
     "chunk_cumsum": chunk_cumsum_kernel,
