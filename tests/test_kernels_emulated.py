@@ -160,6 +160,33 @@ def test_chunk_scan_segment_counts(segments):
     _check(fin, fin_ref, "states", torch.float32, "final_states")
 
 
+@pytest.mark.parametrize("seqlen,sub", [(300, 64), (700, 128), (64, 64), (1000, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_scan_on_sub_chunks(seqlen, sub, dtype):
+    """chunk_scan's sub-chunk candidate (launch.rechunk, a tuning choice): dt_out and dA_cumsum of chunk 256
+    re-cut into chunks of `sub` give the reference's y and final state at chunk 256, with seq_idx restarts,
+    initial states, D and z, T not a multiple of either chunk size."""
+    case = make_case(seqlen=seqlen, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=256, dtype=dtype,
+                     initial_states=True, seq_idx=True, D="h", z=True, device="cpu", seed=seqlen)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    with emulated_kernels():
+        blk = launch.state_passing_block(1, 2, 16 * 32, case["x"].device)
+        y, fin = launch._chunk_scan_with({"path": "split", "state_block": blk, "chunk": sub}, case["x"],
+                                         mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                         case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    _check(y, y_ref, "y", dtype, "y")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+
+
+def test_chunk_scan_candidates_include_sub_chunks():
+    """The tuner may cut chunks of 256 into 64 or 128, chunks of 128 into 64, and chunks of 64 no further."""
+    def subs(L):
+        _, cands = launch.chunk_scan_configs(1, 4096, 80, 64, 128, L, torch.device("cpu"))
+        return sorted(c["chunk"] for c in cands if "chunk" in c)
+    with emulated_kernels():  # (sizes grids by the SM count, which the emulator supplies)
+        assert subs(256) == [64, 128] and subs(128) == [64] and subs(64) == []
+
+
 DECODE_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as the GPU decode tests
 
 

@@ -453,8 +453,10 @@ def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
 
 def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
     """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
-    candidates are the two-op path at every state_passing block size and, where the fused kernels can run,
-    the fused path at several segment counts. None of them needs more than the kernels' usual compiles."""
+    candidates are the two-op path at every state_passing block size, the two-op path on sub-chunks of
+    SUB_CHUNKS (the chunk size is the kernels' unit of parallel work; y and the final state do not depend on
+    it but through rounding) and, where the fused kernels can run, the fused path at several segment counts.
+    None of them needs more than the kernels' usual compiles."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -464,6 +466,8 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
     candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
+    candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
+                   if c < chunk_size and chunk_size % c == 0]
     if segments_can_run(chunk_size, dstate):
         candidates += [{"path": "fused", "ppsm": v} for v in (2, 4, 8, 16)]
     return default, candidates
@@ -521,7 +525,27 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
     return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
 
 
+# Sub-chunk sizes chunk_scan's tuning tries for the two-op path (more, shorter programs: short sequences).
+SUB_CHUNKS = (64, 128)
+
+
+def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
+    """dt_out and dA_cumsum of chunk size L as those of chunk size `chunk` (a divisor of L): the same dt, and
+    the cumulative sum restarted at every sub-chunk (cs minus cs at the end of the previous sub-chunk), over
+    the num_chunks(seqlen, chunk) sub-chunks that hold tokens."""
+    b, h, nc, L = dA_cumsum.shape
+    r = L // chunk
+    cs = _as(dA_cumsum, torch.float32).reshape(b, h, nc, r, chunk)
+    before = torch.cat([cs.new_zeros((b, h, nc, 1)), cs[:, :, :, :-1, -1]], dim=3)
+    n2 = num_chunks(seqlen, chunk)
+    cs = (cs - before[..., None]).reshape(b, h, nc * r, chunk)[:, :, :n2].contiguous()
+    dt = _as(dt_out, torch.float32).reshape(b, h, nc * r, chunk)[:, :, :n2].contiguous()
+    return dt, cs
+
+
 def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    if config.get("chunk", dt_out.shape[-1]) != dt_out.shape[-1]:
+        dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
     if config["path"] == "split":
         bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
