@@ -1,11 +1,11 @@
-"""Kernels of the compute_out backward: the gradients of the SSD part of y (without D and z, which the
-launcher handles elementwise) given G = dL/dy1, the gradient of the output before the gate.
+"""Kernels of the compute_out backward: the gradients of y1 = the output before the gate (the SSD part and
+the skip term D x; the launcher handles z elementwise) given G = dL/dy1.
 
 Blocks of BL tokens as in compute_out.py: row block m of chunk c (outputs l), column block j <= m (sources s);
 CB_mj from chunk_cb.py, decay_mj = exp(cs_l - cs_s) on the causal same-sequence mask, W = CB decay dt_s, and
 i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradients (chunked_backward.py):
 
-    dx_j        = sum_{m >= j} W_mj^T G_m                           out_bwd_dx_kernel     (chunk block, head,
+    dx_j        = sum_{m >= j} W_mj^T G_m  (+ D G_j; dD += G_j x_j)  out_bwd_dx_kernel     (chunk block, head,
                                                                                            headdim tile)
     gW_mj       = G_m x_j^T;  dt_s += colsum(gW CB decay);  cs_l += rowsum(gW W);  cs_s -= colsum(gW W);
     cs_l       += i_l rowsum(G_m * (C_m S^T))                       out_bwd_dw_kernel     (row block, head)
@@ -77,8 +77,9 @@ def _g_rows(G, b, row, h, pt, BL, TP):
 
 
 @ct.kernel
-def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, g_x: Big,
-                      seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int,
+def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, x: Big, D, g_x: Big,
+                      g_D_part: Big,
+                      seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, has_d: int,
                       L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -97,7 +98,14 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
         w = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL)) * decay * dt_j[None, :]
         gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP)
         acc = ct.mma(_tf32(ct.transpose(w)), _tf32(gm), acc)
-    ct.store(g_x, (b, rb, h, pt), acc.reshape((1, BL, 1, TP)))
+    if has_d != 0:
+        # The skip term here rather than in PyTorch: dx_j += D G_j, and this block's share of dD = sum G_j x_j.
+        gj = _g_rows(G, b, rb, h, pt, BL, TP)
+        dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
+        acc = acc + gj * dv
+        xj = ct.load(x, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        ct.store(g_D_part, (b, rb, h, pt), ct.sum(gj * xj.astype(ct.float32), axis=0).reshape((1, 1, 1, TP)))
+    ct.store(g_x, (b, rb, h, pt), acc.astype(g_x.dtype).reshape((1, BL, 1, TP)))
 
 
 @ct.kernel

@@ -105,7 +105,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
     k = chunk_state_bwd_constants(L, has_seq)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    g_x = torch.empty((b, T, h, p), dtype=x.dtype, device=dev)
+    g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     launch._launch((nchunks * h * n_ptiles, b, 1), chunk_state_bwd_x_kernel,
             (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
@@ -178,9 +178,12 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     kc = chunk_cb_constants(L)
     launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
-    g_x = torch.empty((b, T, h, p), dtype=torch.float32, device=dev)
+    g_x = torch.empty((b, T, h, p), dtype=x.dtype, device=dev)
+    g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
+                else _dummy(x, torch.float32, 4))
     launch._launch((n_rblocks * h * n_ptiles, b, 1), out_bwd_dx_kernel,
-                   (G, dtk, csk, cb, seq, g_x, T, h, h // g, n_ptiles, *consts3))
+                   (G, dtk, csk, cb, seq, xk, launch._d_per_channel(D, h, p, x), g_x, g_D_part,
+                    T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
     p_dt = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
     p_cs = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
@@ -203,11 +206,10 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     if D is not None:
-        g_x_D, g_D = ref_bwd.skip_grads(gy.float(), x.float(), D.float())
-        g_x = g_x + g_x_D
-        g_D = g_D.to(D.dtype)
+        g_D = g_D_part.sum((0, 1))  # (h, p)
+        g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
     g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
-    return (g_x.to(x.dtype), g_dt, g_cs, g_C, g_B, g_S.to(states.dtype),
+    return (g_x if g_x.dtype == x.dtype else g_x.to(x.dtype), g_dt, g_cs, g_C, g_B, g_S.to(states.dtype),
             g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))

@@ -179,8 +179,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
-        return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 4),
-                _INT, _INT, _INT, _INT, _INT)
+        return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
+                _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dw":
         return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
                 _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT, _INT)
@@ -259,11 +259,8 @@ def all_specs() -> list[Spec]:
                 extra = (("G", gd),) if gd != F32 else ()
                 for name in ("out_bwd_dw", "out_bwd_dcdb", "out_bwd_dstates"):
                     out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), dtypes=extra))
-                out.append(Spec("out_bwd_dcb", dt, k3, _params("out_bwd_dcb", dt, g_dtype=gd), dtypes=extra))
-                # out_bwd_dx reads no activation, only G and float32 arrays: once per token block and G dtype.
-                if dt == INPUT_DTYPES[0]:
-                    for g_dtype in sorted({launch_bwd.g_dtype_name(d) for d in INPUT_DTYPES}):
-                        out.append(Spec("out_bwd_dx", g_dtype, k3, _params("out_bwd_dx", F32, g_dtype=g_dtype)))
+                for name in ("out_bwd_dcb", "out_bwd_dx"):
+                    out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), dtypes=extra))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
