@@ -278,6 +278,29 @@ def _assert_no_aliasing(args, outputs):
     assert not torch._C._any_output_is_alias_to_input_or_output(args, {}, tuple(outputs))
 
 
+def test_backward_kernels_with_mixed_input_dtypes():
+    """x in float16 with B and C in bfloat16 (the kernels compute in their promotion, float32): every gradient
+    of fwd_pass_state_bwd and compute_out_bwd comes back in the dtype the reference gives, within tolerance."""
+    from m2ops.kernels import launch_bwd
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(seqlen=200, nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, dtype=torch.float16,
+                     initial_states=True, D="h", z=True, device="cpu", seed=5)
+    case["B"], case["C"] = case["B"].to(torch.bfloat16), case["C"].to(torch.bfloat16)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(5)
+    state_args = (_cotangent(mid["states"], gen), _cotangent(fin_ref, gen), fin_ref.new_zeros((0, *fin_ref.shape[1:])),
+                  case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], None, None)
+    out_args = (torch.randn(y_ref.shape, generator=gen).to(y_ref.dtype), case["x"], mid["dt_out"], mid["dA_cumsum"],
+                case["C"], case["B"], mid["states"], case["D"], case["z"], None)
+    for fn, args in (("fwd_pass_state_bwd", state_args), ("compute_out_bwd", out_args)):
+        want = getattr(ref_bwd, fn)(*args)
+        with emulated_kernels():
+            got = getattr(launch_bwd, fn)(*args)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (fn, i, a.dtype, b.dtype)
+            assert rel_err(a, b) <= BWD_TOL[torch.float16], f"{fn} output {i}: {rel_err(a, b):.3e}"
+
+
 @given(cases())
 @SWEEP
 def test_compute_out_backward_kernels(kw):

@@ -105,12 +105,14 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
     k = chunk_state_bwd_constants(L, has_seq)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
+    # Gradients are written in the dtype the kernels compute in and converted to the inputs' at the end (as the
+    # forward's y): the kernels' array dtypes stay those of specs.py when x and B differ in dtype.
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     launch._launch((nchunks * h * n_ptiles, b, 1), chunk_state_bwd_x_kernel,
             (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
              T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
-    g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
+    g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
             (xk, dtk, csk, seq, g_local, g_B,
              T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
@@ -121,6 +123,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, g_carry_part.sum(-1), carry)
     g_dt = g_dt.to(dt_out.dtype)
     g_cs = g_cs.to(dA_cumsum.dtype)
+    g_x, g_B = _as(g_x, x.dtype), _as(g_B, B.dtype)
     if initial_states is None:
         return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
     return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
@@ -178,7 +181,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     kc = chunk_cb_constants(L)
     launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
-    g_x = torch.empty((b, T, h, p), dtype=x.dtype, device=dev)
+    g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
                 else _dummy(x, torch.float32, 4))
     launch._launch((n_rblocks * h * n_ptiles, b, 1), out_bwd_dx_kernel,
@@ -196,8 +199,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     launch._launch((n_rblocks * nb * g, b, 1), out_bwd_dcb_kernel,
                    (G, xk, dtk, csk, seq, g_cb, T, g, h // g, n_ptiles, *consts3))
 
-    g_C = torch.empty((b, T, g, n), dtype=C.dtype, device=dev)
-    g_B = torch.empty((b, T, g, n), dtype=B.dtype, device=dev)
+    g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
+    g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     launch._launch((n_rblocks * g * n_ntiles, b, 1), out_bwd_dcdb_kernel,
                    (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, T, g, h // g, n_ptiles, n_ntiles, *consts4))
 
@@ -211,5 +214,5 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
     g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
-    return (g_x if g_x.dtype == x.dtype else g_x.to(x.dtype), g_dt, g_cs, g_C, g_B, g_S.to(states.dtype),
+    return (_as(g_x, x.dtype), g_dt, g_cs, _as(g_C, C.dtype), _as(g_B, B.dtype), g_S.to(states.dtype),
             g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))
