@@ -1,8 +1,8 @@
 """The benchmark's worker process: one per peer, serving points one after another, so that the interpreter,
 the peer's imports and its compiled kernels are paid once per peer rather than once per point.
 
-    python -m m2ops.bench.worker '<json job>'   one point, prints one line 'RESULT <json>'
-    python -m m2ops.bench.worker --serve        reads one json job per line on stdin, answers each likewise
+    python -m m2ops.bench.worker --serve   reads one json job per line on stdin, answers each with one line
+                                           'RESULT <json>'
 
 After a failed point the serving worker exits (a peer's illegal memory access poisons its CUDA context), and
 the pool (pool.py) starts a fresh one for the next point.
@@ -65,8 +65,7 @@ def _release():
 
 def main():
     if sys.argv[1:] != ["--serve"]:
-        print("RESULT " + json.dumps(answer(json.loads(sys.argv[1]))), flush=True)
-        return
+        sys.exit("usage: python -m m2ops.bench.worker --serve   (started by m2ops.bench's pool)")
     for line in sys.stdin:
         if not line.strip():
             continue

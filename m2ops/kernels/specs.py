@@ -60,8 +60,12 @@ class Spec:
 
     @property
     def kernel(self):
-        k = launch._hinted(self.kernel_name, self.hints) if self.hints else _KERNELS[self.kernel_name]
-        return index_width.narrow_twin(k) if self.narrow else k
+        return index_width.narrow_twin(self.wide_kernel) if self.narrow else self.wide_kernel
+
+    @property
+    def wide_kernel(self):
+        """The kernel with its 64-bit-indexed arrays (the object launchers name; its twin derives from it)."""
+        return launch._hinted(self.kernel_name, self.hints) if self.hints else _KERNELS[self.kernel_name]
 
     @property
     def name(self) -> str:
@@ -73,8 +77,7 @@ class Spec:
 
     def key(self) -> tuple:
         """What tells this specialisation apart, in the form launch_key gives a launch (64-bit kernels)."""
-        k = self.kernel if not self.narrow else (launch._hinted(self.kernel_name, self.hints) if self.hints
-                                                  else _KERNELS[self.kernel_name])
+        k = self.wide_kernel
         params = iter(self.params)
         parts = []
         for name, node in zip(k._annotated_function.pysig.parameters, k._annotated_function.parameter_annotations):
