@@ -55,7 +55,7 @@ def test_specialisations_are_enumerated():
     kinds = {s.kernel_name for s in specs}
     assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
                      "state_update", "segment_state", "segment_out", "chunk_cumsum_bwd", "state_passing_bwd",
-                     "chunk_state_bwd_x", "chunk_state_bwd_b", "out_bwd_dx", "out_bwd_dw", "out_bwd_dcb",
+                     "chunk_state_bwd_x", "chunk_state_bwd_b", "out_bwd_dx", "out_bwd_dcbw",
                      "out_bwd_dcdb", "out_bwd_dstates"}
     for s in specs:
         s.signature()  # every signature is well formed for its kernel

@@ -89,3 +89,10 @@ def load_tile(array, index, shape, CHK):
     else:
         t = ct.load(array, index, shape=shape, check_bounds=False)
     return t
+
+
+def mma_operand(t, LOWP):
+    """A tensor-core operand of the backward kernels: bfloat16 under LOWP, else tf32 (t widened to float32)."""
+    if LOWP:
+        return t.astype(ct.bfloat16)
+    return t.astype(ct.float32).astype(ct.tfloat32)

@@ -5,22 +5,31 @@ Blocks of BL tokens as in compute_out.py: row block m of chunk c (outputs l), co
 CB_mj from chunk_cb.py, decay_mj = exp(cs_l - cs_s) on the causal same-sequence mask, W = CB decay dt_s, and
 i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradients (chunked_backward.py):
 
-    dx_j        = sum_{m >= j} W_mj^T G_m  (+ D G_j; dD += G_j x_j)  out_bwd_dx_kernel     (chunk block, head,
-                                                                                           headdim tile)
-    gW_mj       = G_m x_j^T;  dt_s += colsum(gW CB decay);  cs_l += rowsum(gW W);  cs_s -= colsum(gW W);
-    cs_l       += i_l rowsum(G_m * (C_m S^T))                       out_bwd_dw_kernel     (row block, head)
-    dCB_mj      = sum over the group's heads of gW_mj decay dt_s    out_bwd_dcb_kernel    (row block, column
-                                                                                           block, group)
-    dC_m        = sum_j dCB_mj B_j + sum_r i_m G_rm S_r;  dB_j = sum_m dCB_mj^T C_m
-                                                                    out_bwd_dcdb_kernel   (row block, group,
-                                                                                           dstate tile)
-    dS_c        = sum_m (i_m G_m)^T C_m                             out_bwd_dstates_kernel (chunk, head,
-                                                                                           headdim, dstate tiles)
+    dx_j   = sum_{m >= j} W_mj^T G_m  (+ D G_j; dD += G_j x_j)          out_bwd_dx_kernel      (column block,
+                                                                                               head, headdim tile)
+    V_mj   = (G_m x_j^T) decay;  dCB_mj = sum over the group's heads of V dt_s;  with T = V CB:
+           dt_s += colsum(T);  cs_l += rowsum(T dt);  cs_s -= colsum(T dt)  out_bwd_dcbw_kernel   (row block,
+                                                                                               column block, group,
+                                                                                               head split)
+    GS_m   = G_m S (per head);  dC_m = sum_j dCB_mj B_j + sum_r i_m GS_m;  cs_l += i_l rowsum(C_m GS_m);
+           dB_j = sum_m dCB_mj^T C_m                                    out_bwd_dcdb_kernel    (row block, group,
+                                                                                               dstate tile)
+    dS_c   = sum_m (i_m G_m)^T C_m                                      out_bwd_dstates_kernel (chunk, head,
+                                                                                               headdim, dstate tiles)
 
-Sums that several programs contribute to (dt and the column part of cs) are written per contributing row
-block into zero-initialised (b, h, L/BL, nchunks*L) buffers and summed by the launcher; everything else has
-one writer. Products with G run in tf32 (G is read in float32, or in bfloat16 for bfloat16 inputs, and
-widened); those of inputs alone in the input dtype.
+G_m x_j^T is formed once per (pair of blocks, head) and serves dt, dA_cumsum and dCB; G_m S once per (block,
+head) and serves dC and dA_cumsum. Below the diagonal block the decay factorises through a reference token p
+between the blocks (the last of block j): exp(cs_l - cs_s) = exp(cs_l - cs_p) exp(cs_p - cs_s), both factors
+<= 1 since cs falls, so those blocks need 2 BL exponentials instead of BL^2 (as in compute_out.py).
+
+Sums that several programs contribute to are written to zero-initialised buffers with one slot per writer and
+summed by the launcher: for dA_cumsum (b, h, L/BL, nchunks*L) — a token of block q gets its row part from
+pair (q, k) in slot k < q, its column part from pair (k, q) in slot k > q and both from the diagonal pair in
+slot q — and dt alike (slot m of pair (m, q)); dCB per head split; the inter-chunk part of dA_cumsum per
+dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) every tensor-core product runs in bfloat16: the
+products of G with x, B, C are then exact as before (bfloat16 values are exact in tf32 too), and the decay-
+or state-weighted operands are rounded to bfloat16 as the forward rounds its own; otherwise products with
+G run in tf32.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .common import Big, ConstBool, ConstInt
+from .common import mma_operand as _op
 
 _ZERO = ct.PaddingMode.ZERO
 _NEG_INF = -float("inf")
@@ -38,49 +48,47 @@ def _rows_in_chunk(seqlen, c, L, BL):
     return ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
 
 
-def _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ):
-    """(decay_mj (BL, BL), dt_j (BL,)) of row block m and column block j of chunk c for head h."""
-    nb = L // BL
-    cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL)).reshape((BL,))
-    cs_j = ct.load(dA_cumsum, (b, h, c, j), shape=(1, 1, 1, BL)).reshape((BL,))
-    dt_j = ct.load(dt_out, (b, h, c, j), shape=(1, 1, 1, BL)).reshape((BL,))
-    rows = m * BL + ct.arange(BL, dtype=ct.int32)
-    cols = j * BL + ct.arange(BL, dtype=ct.int32)
-    keep = rows[:, None] >= cols[None, :]
-    if HAS_SEQ:
-        seq_i = ct.load(seq_idx, (b, c * nb + m), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-        seq_j = ct.load(seq_idx, (b, c * nb + j), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-        keep = keep & (seq_i[:, None] == seq_j[None, :])
-    return ct.exp(ct.where(keep, cs_i[:, None] - cs_j[None, :], _NEG_INF)), dt_j
+def _vec(a, b, h, c, blk, BL):
+    """Block blk (BL positions) of a chunked (b, h, c, L) float32 array."""
+    return ct.load(a, (b, h, c, blk), shape=(1, 1, 1, BL)).reshape((BL,))
+
+
+def _seq_block(seq_idx, b, row, BL):
+    return ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+
+
+def _diag_decay(cs, BL):
+    """exp(cs_l - cs_s) on the causal mask of a diagonal block (masked before exp: above the diagonal the
+    difference is positive and could overflow)."""
+    rows = ct.arange(BL, dtype=ct.int32)
+    keep = rows[:, None] >= rows[None, :]
+    return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], _NEG_INF))
 
 
 def _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ):
     """i_l of row block m of chunk c: exp(cs_l), zero where token l is not of the entering state's sequence."""
     nb = L // BL
-    i = ct.exp(ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL)).reshape((BL,)))
+    i = ct.exp(_vec(dA_cumsum, b, h, c, m, BL))
     if HAS_SEQ:
-        seq_i = ct.load(seq_idx, (b, c * nb + m), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
+        seq_i = _seq_block(seq_idx, b, c * nb + m, BL)
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
         i = ct.where(seq_i == seq_prev, i, 0.0)
     return i
 
 
-def _tf32(t):
-    return t.astype(ct.float32).astype(ct.tfloat32)
-
-
-def _g_rows(G, b, row, h, pt, BL, TP):
-    """Block `row` (BL tokens) of G for head h and headdim tile pt, in float32 whatever G's dtype (the
-    launcher passes G in bfloat16 for bfloat16 inputs: half the bytes of the kernels' largest read)."""
-    return ct.load(G, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP)).astype(ct.float32)
+def _g_rows(G, b, row, h, pt, BL, TP, LOWP):
+    """Block `row` (BL tokens) of G for head h and headdim tile pt: as stored under LOWP (bfloat16), else in
+    float32 (G is float32 then, or bfloat16 widened)."""
+    t = ct.load(G, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+    return t if LOWP else t.astype(ct.float32)
 
 
 @ct.kernel
 def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, x: Big, D, g_x: Big,
                       g_D_part: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, has_d: int,
-                      L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
+                      L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -92,15 +100,34 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     j = rb % nb
     g = h // heads_per_group
 
+    cs_j = _vec(dA_cumsum, b, h, c, j, BL)
+    dt_j = _vec(dt_out, b, h, c, j, BL)
+    if HAS_SEQ:
+        seq_j = _seq_block(seq_idx, b, rb, BL)
+    # Row blocks below the diagonal: W_mj^T G_m = diag(exp(cs_p - cs_s) dt_s) CB_mj^T (exp(cs_l - cs_p) G_m)
+    # with p the last token of block j; the column scale is applied once after the loop.
+    cs_p = ct.load(dA_cumsum, (b, h, c, j * BL + BL - 1), shape=())
     acc = ct.zeros((BL, TP), dtype=ct.float32)
-    for m in range(j, _rows_in_chunk(seqlen, c, L, BL)):
-        decay, dt_j = _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ)
-        w = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL)) * decay * dt_j[None, :]
-        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP)
-        acc = ct.mma(_tf32(ct.transpose(w)), _tf32(gm), acc)
+    for m in range(j + 1, _rows_in_chunk(seqlen, c, L, BL)):
+        cbt = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
+        if HAS_SEQ:
+            seq_m = _seq_block(seq_idx, b, c * nb + m, BL)
+            cbt = ct.where(seq_m[:, None] == seq_j[None, :], cbt, 0.0)
+        r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
+        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP, LOWP).astype(ct.float32) * r[:, None]
+        acc = ct.mma(_op(ct.transpose(cbt), LOWP), _op(gm, LOWP), acc)
+    acc = acc * (ct.exp(cs_p - cs_j) * dt_j)[:, None]
+    # The diagonal block, decay per element.
+    decay = _diag_decay(cs_j, BL)
+    if HAS_SEQ:
+        decay = ct.where(seq_j[:, None] == seq_j[None, :], decay, 0.0)
+    cbt = ct.load(cb, (b, c, g, j, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
+    w = cbt * decay * dt_j[None, :]
+    gj = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
+    acc = ct.mma(_op(ct.transpose(w), LOWP), _op(gj, LOWP), acc)
     if has_d != 0:
         # The skip term here rather than in PyTorch: dx_j += D G_j, and this block's share of dD = sum G_j x_j.
-        gj = _g_rows(G, b, rb, h, pt, BL, TP)
+        gj = gj.astype(ct.float32)
         dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
         acc = acc + gj * dv
         xj = ct.load(x, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
@@ -108,85 +135,85 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     ct.store(g_x, (b, rb, h, pt), acc.astype(g_x.dtype).reshape((1, BL, 1, TP)))
 
 
-@ct.kernel
-def out_bwd_dw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, seq_idx: Big,
-                      p_dt: Big, p_cs: Big, g_cs_row: Big,
-                      seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                      L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
-    pid = ct.bid(0)
-    b = ct.bid(1)
-    h = pid % nheads
-    rb = pid // nheads
-    nb = L // BL
-    c = rb // nb
-    m = rb % nb
-    g = h // heads_per_group
-
-    row_sum = ct.zeros((BL,), dtype=ct.float32)
-    for j in range(m + 1):
-        jrow = c * nb + j
-        decay, dt_j = _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ)
-        cbt = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
-        gw = ct.zeros((BL, BL), dtype=ct.float32)
-        for pt in range(n_ptiles):
-            gm = _g_rows(G, b, rb, h, pt, BL, TP)
-            xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-            gw = ct.mma(_tf32(gm), _tf32(ct.transpose(xj)), gw)
-        t = gw * decay * cbt
-        ct.store(p_dt, (b, h, m, jrow), ct.sum(t, axis=0).reshape((1, 1, 1, BL)))
-        ww = t * dt_j[None, :]
-        row_sum = row_sum + ct.sum(ww, axis=1)
-        ct.store(p_cs, (b, h, m, jrow), (0.0 - ct.sum(ww, axis=0)).reshape((1, 1, 1, BL)))
-
-    # Inter-chunk term: i_l <G_l, S C_l>.
-    inter_sum = ct.zeros((BL,), dtype=ct.float32)
+def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
+    """G_m x_j^T (BL, BL) for head h: row block rb of G against column block jrow of x."""
+    gw = ct.zeros((BL, BL), dtype=ct.float32)
     for pt in range(n_ptiles):
-        cs_ = ct.zeros((BL, TP), dtype=ct.float32)
-        for nt in range(n_ntiles):
-            ci = ct.load(C, (b, rb, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-            st = ct.load(states, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN), padding_mode=_ZERO).reshape((TP, TN))
-            cs_ = ct.mma(_tf32(ci), _tf32(ct.transpose(st)), cs_)
-        gm = _g_rows(G, b, rb, h, pt, BL, TP)
-        inter_sum = inter_sum + ct.sum(gm * cs_, axis=1)
-    row_sum = row_sum + inter_sum * _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ)
-    ct.store(g_cs_row, (b, h, rb), row_sum.reshape((1, 1, BL)))
+        gm = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
+        xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), gw)
+    return gw
 
 
 @ct.kernel
-def out_bwd_dcb_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_cb: Big,
-                       seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int,
-                       L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool):
-    # One program per (row block m, column block j, group), j > m idle: the heads of the group are summed
-    # in the program, so the grid is what gives the parallelism (at 4K tokens and chunk 256, 64 row blocks).
+def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big,
+                        g_cb_part: Big, p_dt: Big, p_cs: Big,
+                        seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_split: int,
+                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
+    # One program per (row block m, column block j, group, head split), j > m idle. A split's heads are
+    # summed into its own dCB slot; the splits only exist to fill the GPU at short sequences.
     pid = ct.bid(0)
     b = ct.bid(1)
     nb = L // BL
-    g = pid % ngroups
-    rest = pid // ngroups
+    sp = pid % n_split
+    rest = pid // n_split
+    g = rest % ngroups
+    rest = rest // ngroups
     j = rest % nb
     rb = rest // nb
     c = rb // nb
     m = rb % nb
     if j <= m:
         jrow = c * nb + j
+        cbt = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
+        rows = ct.arange(BL, dtype=ct.int32)
+        keep = (rows[:, None] + m * BL) >= (rows[None, :] + j * BL)
+        if HAS_SEQ:
+            keep = keep & (_seq_block(seq_idx, b, rb, BL)[:, None] == _seq_block(seq_idx, b, jrow, BL)[None, :])
+        per = (heads_per_group + n_split - 1) // n_split
+        h0 = g * heads_per_group + sp * per
+        h1 = g * heads_per_group + ct.minimum((sp + 1) * per, heads_per_group)
         acc = ct.zeros((BL, BL), dtype=ct.float32)
-        for r in range(heads_per_group):
-            h = g * heads_per_group + r
-            decay, dt_j = _decay(dA_cumsum, dt_out, seq_idx, b, h, c, m, j, L, BL, HAS_SEQ)
-            gw = ct.zeros((BL, BL), dtype=ct.float32)
-            for pt in range(n_ptiles):
-                gm = _g_rows(G, b, rb, h, pt, BL, TP)
-                xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-                gw = ct.mma(_tf32(gm), _tf32(ct.transpose(xj)), gw)
-            acc = acc + gw * decay * dt_j[None, :]
-        ct.store(g_cb, (b, c, g, m, j), acc.reshape((1, 1, 1, BL, BL)))
+        if m == j:
+            for h in range(h0, h1):
+                cs_m = _vec(dA_cumsum, b, h, c, m, BL)
+                dt_j = _vec(dt_out, b, h, c, j, BL)
+                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * ct.exp(
+                    ct.where(keep, cs_m[:, None] - cs_m[None, :], _NEG_INF))
+                t = v * cbt
+                ct.store(p_dt, (b, h, m, jrow), ct.sum(t, axis=0).reshape((1, 1, 1, BL)))
+                # Both sums of T dt from the same products, so that a token's own terms cancel exactly.
+                tw = t * dt_j[None, :]
+                ct.store(p_cs, (b, h, m, jrow), (ct.sum(tw, axis=1) - ct.sum(tw, axis=0)).reshape((1, 1, 1, BL)))
+                acc = acc + v * dt_j[None, :]
+        else:
+            # decay = r q^T (r_l = exp(cs_l - cs_p), q_s = exp(cs_p - cs_s)): with U = (G_m x_j^T) diag(r) and
+            # W2 = U CB, T = W2 diag(q), so colsum(T) = colsum(W2) q, rowsum(T dt) = W2 (q dt) and the
+            # dCB term V dt = U diag(q dt); the (BL, BL) work is four products and two sums.
+            p = j * BL + BL - 1
+            for h in range(h0, h1):
+                cs_p = ct.load(dA_cumsum, (b, h, c, p), shape=())
+                r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
+                q = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL))
+                dt_j = _vec(dt_out, b, h, c, j, BL)
+                u = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * r[:, None]
+                if HAS_SEQ:
+                    u = ct.where(keep, u, 0.0)
+                w2 = u * cbt
+                cq = ct.sum(w2, axis=0) * q
+                qd = q * dt_j
+                ct.store(p_dt, (b, h, m, jrow), cq.reshape((1, 1, 1, BL)))
+                ct.store(p_cs, (b, h, j, rb), ct.sum(w2 * qd[None, :], axis=1).reshape((1, 1, 1, BL)))
+                ct.store(p_cs, (b, h, m, jrow), (0.0 - cq * dt_j).reshape((1, 1, 1, BL)))
+                acc = acc + u * qd[None, :]
+        ct.store(g_cb_part, (b, sp, c, g, m, j), acc.reshape((1, 1, 1, 1, BL, BL)))
 
 
 @ct.kernel
 def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq_idx: Big, g_cb: Big,
-                        g_C: Big, g_B: Big,
+                        g_C: Big, g_B: Big, g_cs_inter: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                        L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                        L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -197,19 +224,25 @@ def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq
     c = rb // nb
     q = rb % nb
 
-    # dC of block q: its row of dCB against B, plus the inter-chunk term of every head of the group.
+    # dC of block q: its row of dCB against B, plus the inter-chunk term G_q S of every head of the group,
+    # whose product with C_q is also that head's inter-chunk part of dA_cumsum (this dstate tile's share).
     acc = ct.zeros((BL, TN), dtype=ct.float32)
     for j in range(q + 1):
         gcb = ct.load(g_cb, (b, c, g, q, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
         bj = ct.load(B, (b, c * nb + j, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        acc = ct.mma(_tf32(gcb), _tf32(bj), acc)
+        acc = ct.mma(_op(gcb, False), _op(bj, False), acc)
+    cq = ct.load(C, (b, rb, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN)).astype(ct.float32)
     for r in range(heads_per_group):
         h = g * heads_per_group + r
         i = _inter(dA_cumsum, seq_idx, b, h, c, q, L, BL, HAS_SEQ)
+        gs = ct.zeros((BL, TN), dtype=ct.float32)
         for pt in range(n_ptiles):
-            gm = _g_rows(G, b, rb, h, pt, BL, TP)
+            gm = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
             st = ct.load(states, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN), padding_mode=_ZERO).reshape((TP, TN))
-            acc = ct.mma(_tf32(gm * i[:, None]), _tf32(st), acc)
+            gs = ct.mma(_op(gm, LOWP), _op(st, LOWP), gs)
+        gs = gs * i[:, None]
+        acc = acc + gs
+        ct.store(g_cs_inter, (b, h, nt, rb), ct.sum(gs * cq, axis=1).reshape((1, 1, 1, BL)))
     ct.store(g_C, (b, rb, g, nt), acc.astype(g_C.dtype).reshape((1, BL, 1, TN)))
 
     # dB of block q: its column of dCB against C.
@@ -217,14 +250,14 @@ def out_bwd_dcdb_kernel(G: Big, dA_cumsum: Big, C: Big, B: Big, states: Big, seq
     for m in range(q, _rows_in_chunk(seqlen, c, L, BL)):
         gcb = ct.load(g_cb, (b, c, g, m, q), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
         cm = ct.load(C, (b, c * nb + m, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        acc = ct.mma(_tf32(ct.transpose(gcb)), _tf32(cm), acc)
+        acc = ct.mma(_op(ct.transpose(gcb), False), _op(cm, False), acc)
     ct.store(g_B, (b, rb, g, nt), acc.astype(g_B.dtype).reshape((1, BL, 1, TN)))
 
 
 @ct.kernel
 def out_bwd_dstates_kernel(G: Big, dA_cumsum: Big, C: Big, seq_idx: Big, g_states: Big,
                            seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                           L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                           L: int, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -239,7 +272,7 @@ def out_bwd_dstates_kernel(G: Big, dA_cumsum: Big, C: Big, seq_idx: Big, g_state
     acc = ct.zeros((TP, TN), dtype=ct.float32)
     for m in range(_rows_in_chunk(seqlen, c, L, BL)):
         i = _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ)
-        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP)
+        gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP, LOWP).astype(ct.float32) * i[:, None]
         cm = ct.load(C, (b, c * nb + m, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        acc = ct.mma(_tf32(ct.transpose(gm * i[:, None])), _tf32(cm), acc)
+        acc = ct.mma(_op(ct.transpose(gm), LOWP), _op(cm, LOWP), acc)
     ct.store(g_states, (b, c, h, pt, nt), acc.reshape((1, 1, 1, TP, TN)))

@@ -38,7 +38,9 @@ from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_P
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
                      supported_chunk_size)
 from .compute_out import compute_out_kernel
+from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
+from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -120,6 +122,18 @@ _OCCUPANCY = {
     ("chunk_state", "16bit", 64): 3,
     ("chunk_state", "16bit", 128): 3,
     ("chunk_state", "16bit", 256): 3,
+    # Backward kernels at their 64-token block (chunk sizes 64-256), bfloat16 (bfloat16 products, LOWP), from
+    # one sweep of occupancy 2/3/4 against none (tests/gpu/backward_scan.py --occupancy 2,3,4, B=1 H=80 P=64
+    # N=128 chunk 256, kernel ms at T=16K / 64K, none -> chosen): out_bwd_dx 0.876 -> 0.448 / 3.49 -> 1.76 (3);
+    # out_bwd_dcbw 0.903 -> 0.653 / 3.45 -> 2.14 (2); out_bwd_dcdb 0.653 -> 0.335 / 2.56 -> 1.28 (2);
+    # out_bwd_dstates 0.301 -> 0.129 / 1.19 -> 0.50 (4); chunk_state_bwd_x 0.462 -> 0.203 / 1.82 -> 0.75 (4);
+    # chunk_state_bwd_b 0.439 -> 0.249 / 1.72 -> 0.97 (4).
+    ("out_bwd_dx", "bfloat16", 64): 3,
+    ("out_bwd_dcbw", "bfloat16", 64): 2,
+    ("out_bwd_dcdb", "bfloat16", 64): 2,
+    ("out_bwd_dstates", "bfloat16", 64): 4,
+    ("chunk_state_bwd_x", "bfloat16", 64): 4,
+    ("chunk_state_bwd_b", "bfloat16", 64): 4,
 }
 # kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
 HINT_OVERRIDE: dict = {}
@@ -162,6 +176,14 @@ _KERNEL_OBJECTS = {
     "compute_out": compute_out_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
+    # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
+    # block the chunk size implies (common.sub_block) in place of the chunk size.
+    "out_bwd_dx": out_bwd_dx_kernel,
+    "out_bwd_dcbw": out_bwd_dcbw_kernel,
+    "out_bwd_dcdb": out_bwd_dcdb_kernel,
+    "out_bwd_dstates": out_bwd_dstates_kernel,
+    "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
+    "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
 }
 
 

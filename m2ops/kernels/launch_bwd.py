@@ -4,12 +4,13 @@ outputs in their inputs' dtypes, contiguous, never aliasing an input; no host sy
 What runs the reference instead: float64, unsupported chunk sizes, and (fwd_pass_state_bwd) a non-empty
 g_varlen with cu_seqlens (the per-sequence states' backward has no kernel yet).
 
-Not yet exported by m2ops/kernels/__init__.py, so the ops' autograd still runs the PyTorch formulas on CUDA:
-these kernels are checked on the CPU through tests/tile_emulator.py (tests/test_kernels_emulated.py) and
-must pass tests/gpu/test_backward_kernels.py on a GPU before they are enabled.
+m2ops/kernels/__init__.py exports these as the CUDA implementations of the *_bwd ops; tests/tile_emulator.py
+runs them on the CPU in CI (tests/test_kernels_emulated.py) and tests/gpu/test_backward_kernels.py on a GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,13 +18,16 @@ from ..meta.shapes import num_chunks
 from ..reference import chunked_backward as ref_bwd
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
-from .compute_out_bwd import (out_bwd_dcb_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dw_kernel,
-                              out_bwd_dx_kernel)
 from .common import TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
 from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, chunk_cb_constants, compute_out,
                      fwd_pass_state, state_passing_block)
-from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
+from .state_pass_bwd import state_passing_bwd_kernel
+
+
+# The backward kernels launched through launch.hinted_kernel (ct.kernel hints from launch's table, keyed by
+# their token block): the matrix-heavy ones, whose register use the occupancy hint trades against spills.
+HINTED = ("out_bwd_dx", "out_bwd_dcbw", "out_bwd_dcdb", "out_bwd_dstates", "chunk_state_bwd_x", "chunk_state_bwd_b")
 
 
 def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
@@ -34,10 +38,10 @@ def state_passing_bwd_constants(block: int, has_seq: bool) -> dict:
     return dict(BLK=block, HAS_SEQ=bool(has_seq))
 
 
-def chunk_state_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
+def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
     """The chunk size itself is a run-time argument of these kernels (it only enters index arithmetic); only
-    the token block BL it implies is a constant."""
-    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+    the token block BL it implies is a constant. LOWP: the products in bfloat16 for bfloat16 activations."""
+    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq), LOWP=dtype == "bfloat16")
 
 
 def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
@@ -103,19 +107,20 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
              T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"]))
 
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
-    k = chunk_state_bwd_constants(L, has_seq)
+    k = chunk_state_bwd_constants(L, has_seq, launch._dtype_name(mma_dtype))
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
     # Gradients are written in the dtype the kernels compute in and converted to the inputs' at the end (as the
     # forward's y): the kernels' array dtypes stay those of specs.py when x and B differ in dtype.
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
-    launch._launch((nchunks * h * n_ptiles, b, 1), chunk_state_bwd_x_kernel,
+    hinted = functools.partial(launch.hinted_kernel, dtype=launch._dtype_name(mma_dtype), chunk_size=k["BL"])
+    launch._launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
             (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
-             T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
-    launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), chunk_state_bwd_b_kernel,
+    launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
             (xk, dtk, csk, seq, g_local, g_B,
-             T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"]))
+             T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
 
     # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
     g_w = g_w_part.sum(2).view(b, h, nchunks, L)
@@ -141,9 +146,22 @@ def g_dtype_name(dtype: str) -> str:
     return "bfloat16" if (G_IN_BF16 and dtype == "bfloat16") else "float32"
 
 
-def compute_out_bwd_constants(chunk_size: int, has_seq: bool) -> dict:
-    """As chunk_state_bwd_constants: the chunk size is a run-time argument."""
-    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq))
+def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
+    """As chunk_state_bwd_constants: the chunk size is a run-time argument. LOWP: every tensor-core product in
+    bfloat16, where the activations and G are bfloat16 (compute_out_bwd.py)."""
+    return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
+                LOWP=g_dtype_name(dtype) == "bfloat16")
+
+
+# Programs per SM out_bwd_dcbw aims for: its (row block, column block, group) pairs are split over the group's
+# heads until there are this many (at 4K tokens, chunk 256 and one group only 160 pairs hold work).
+DCBW_PROGRAMS_PER_SM = 4
+
+
+def dcbw_split(pairs: int, heads_per_group: int, device) -> int:
+    """How many programs share the heads of one (pair, group) in out_bwd_dcbw (each with cdiv(heads, n))."""
+    want = max(1, min(heads_per_group, cdiv(DCBW_PROGRAMS_PER_SM * launch._sm_count(device), max(pairs, 1))))
+    return cdiv(heads_per_group, cdiv(heads_per_group, want))
 
 
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
@@ -160,12 +178,13 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
     sk = _as(states, torch.float32)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
-    k = compute_out_bwd_constants(L, seq_idx is not None)
+    k = compute_out_bwd_constants(L, seq_idx is not None, launch._dtype_name(mma_dtype))
     BL, nb = k["BL"], L // k["BL"]
     n_rblocks = cdiv(T, BL)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    consts4 = (L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"])
-    consts3 = (L, k["BL"], k["TP"], k["HAS_SEQ"])
+    consts4 = (L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"])
+    consts3 = (L, k["BL"], k["TP"], k["HAS_SEQ"], k["LOWP"])
+    hinted = functools.partial(launch.hinted_kernel, dtype=launch._dtype_name(mma_dtype), chunk_size=BL)
 
     # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
     gy = g_y
@@ -184,35 +203,37 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
                 else _dummy(x, torch.float32, 4))
-    launch._launch((n_rblocks * h * n_ptiles, b, 1), out_bwd_dx_kernel,
+    launch._launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
                    (G, dtk, csk, cb, seq, xk, launch._d_per_channel(D, h, p, x), g_x, g_D_part,
                     T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
+    # dCB, dt and the intra-chunk part of dA_cumsum from one G x^T per (pair of blocks, head); the slots of
+    # p_dt / p_cs that no pair writes (blocks past the sequence's end) stay zero.
     p_dt = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
     p_cs = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
-    g_cs_row = torch.zeros((b, h, nchunks * L), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * h, b, 1), out_bwd_dw_kernel,
-                   (G, xk, dtk, csk, Ck, cb, sk, seq, p_dt, p_cs, g_cs_row,
-                    T, h, h // g, n_ptiles, n_ntiles, *consts4))
-
-    g_cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * nb * g, b, 1), out_bwd_dcb_kernel,
-                   (G, xk, dtk, csk, seq, g_cb, T, g, h // g, n_ptiles, *consts3))
+    n_split = dcbw_split(b * cdiv(n_rblocks * (nb + 1), 2) * g, h // g, dev)
+    g_cb_part = torch.empty((b, n_split, nchunks, g, L, L), dtype=torch.float32, device=dev)
+    launch._launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
+                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_dt, p_cs, T, g, h // g, n_ptiles, n_split, *consts3))
+    g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
-    launch._launch((n_rblocks * g * n_ntiles, b, 1), out_bwd_dcdb_kernel,
-                   (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, T, g, h // g, n_ptiles, n_ntiles, *consts4))
+    g_cs_inter = torch.empty((b, h, n_ntiles, n_rblocks * BL), dtype=torch.float32, device=dev)
+    launch._launch((n_rblocks * g * n_ntiles, b, 1), hinted("out_bwd_dcdb"),
+                   (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, g_cs_inter, T, g, h // g, n_ptiles, n_ntiles, *consts4))
 
     g_S = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
-    launch._launch((nchunks * h * n_ptiles * n_ntiles, b, 1), out_bwd_dstates_kernel,
+    launch._launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted("out_bwd_dstates"),
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     if D is not None:
         g_D = g_D_part.sum((0, 1))  # (h, p)
         g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
     g_dt = p_dt.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
-    g_cs = (g_cs_row + p_cs.sum(2)).view(b, h, nchunks, L).to(dA_cumsum.dtype)
+    g_cs = p_cs.sum(2)
+    g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
+    g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     return (_as(g_x, x.dtype), g_dt, g_cs, _as(g_C, C.dtype), _as(g_B, B.dtype), g_S.to(states.dtype),
             g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))

@@ -33,8 +33,7 @@ from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
-from .compute_out_bwd import (out_bwd_dcb_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dw_kernel,
-                              out_bwd_dx_kernel)
+from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
 from .state_passing import state_passing_kernel
@@ -123,8 +122,7 @@ _KERNELS = {
     "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
     "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
     "out_bwd_dx": out_bwd_dx_kernel,
-    "out_bwd_dw": out_bwd_dw_kernel,
-    "out_bwd_dcb": out_bwd_dcb_kernel,
+    "out_bwd_dcbw": out_bwd_dcbw_kernel,
     "out_bwd_dcdb": out_bwd_dcdb_kernel,
     "out_bwd_dstates": out_bwd_dstates_kernel,
 }
@@ -184,14 +182,12 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "out_bwd_dx":
         return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
                 _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
-    if kernel_name == "out_bwd_dw":
-        return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(F32, 5), _a(F32, 5), _a(I32, 2),
-                _a(F32, 4), _a(F32, 4), _a(F32, 3), _INT, _INT, _INT, _INT, _INT, _INT)
-    if kernel_name == "out_bwd_dcb":
-        return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_dcbw":
+        return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 6), _a(F32, 4),
+                _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcdb":
         return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
-                _a(dt, 4), _INT, _INT, _INT, _INT, _INT, _INT)
+                _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dstates":
         return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_update":
@@ -255,15 +251,16 @@ def all_specs() -> list[Spec]:
         for L in sorted({min(L, 64) for L in CHUNK_SIZES}):  # one chunk size per token block
             for has_seq in (False, True):
                 for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
-                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq), _params(name, dt)))
-                k4 = launch_bwd.compute_out_bwd_constants(L, has_seq)
+                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq, dt), _params(name, dt),
+                                    _hints(name, dt, L)))
+                k4 = launch_bwd.compute_out_bwd_constants(L, has_seq, dt)
                 k3 = {key: v for key, v in k4.items() if key != "TN"}
                 gd = launch_bwd.g_dtype_name(dt)
                 extra = (("G", gd),) if gd != F32 else ()
-                for name in ("out_bwd_dw", "out_bwd_dcdb", "out_bwd_dstates"):
-                    out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), dtypes=extra))
-                for name in ("out_bwd_dcb", "out_bwd_dx"):
-                    out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), dtypes=extra))
+                for name in ("out_bwd_dcdb", "out_bwd_dstates"):
+                    out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
+                for name in ("out_bwd_dcbw", "out_bwd_dx"):
+                    out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),

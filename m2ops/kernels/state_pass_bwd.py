@@ -13,7 +13,8 @@ in the forward, and gS_C = g_final:
    over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
 
 The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
-(b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32).
+(b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
+inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .common import Big, ConstBool, ConstInt
+from .common import mma_operand as _op
 from .state_passing import _chunk_inputs
 
 _ZERO = ct.PaddingMode.ZERO
@@ -64,7 +66,7 @@ def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, 
 def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big,
                              g_x: Big, g_w_part: Big,
                              seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
-                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -82,7 +84,7 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
             bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
                          padding_mode=_ZERO).reshape((TP, TN))
-            m = ct.mma(bs.astype(ct.float32).astype(ct.tfloat32), ct.transpose(gl).astype(ct.tfloat32), m)
+            m = ct.mma(_op(bs, LOWP), _op(ct.transpose(gl), LOWP), m)
         xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         ct.store(g_x, (b, row, h, pt), (m * w[:, None]).astype(g_x.dtype).reshape((1, BL, 1, TP)))
         gw = ct.sum(xs.astype(ct.float32) * m, axis=1)
@@ -92,7 +94,7 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
 @ct.kernel
 def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big, g_B: Big,
                              seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
-                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool):
+                             BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     # One program per (chunk, token block, group, dstate tile): the heads of the group are summed in the
     # program, so the token blocks in the grid are what gives the parallelism at short sequences.
     pid = ct.bid(0)
@@ -111,8 +113,8 @@ def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, 
             w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
             for pt in range(n_ptiles):
                 xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-                xw = (xs.astype(ct.float32) * w[:, None]).astype(ct.tfloat32)
+                xw = xs.astype(ct.float32) * w[:, None]
                 gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
                              padding_mode=_ZERO).reshape((TP, TN))
-                acc = ct.mma(xw, gl.astype(ct.tfloat32), acc)
+                acc = ct.mma(_op(xw, LOWP), _op(gl, LOWP), acc)
         ct.store(g_B, (b, row, g, nt), acc.astype(g_B.dtype).reshape((1, BL, 1, TN)))

@@ -1,12 +1,17 @@
 """Where the backward's time goes, on a GPU, as a script:
 
     python tests/gpu/backward_scan.py [--shapes 16K:128,64K:128] [--chunk 256] [--rows 14] [--json OUT]
+                                      [--occupancy 2,3,4]
 
 For each shape (B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, A, D, initial states, final states): the median
 time of the public call's forward alone and of forward + backward (gradients of x, dt, A, B, C, D and the
 initial state, as `python -m m2ops.bench --backward` times them), then the device time per call of each
 kernel the pair launches, cuTile kernels by name and PyTorch's own kernels (the element-wise glue around
 them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M2OPS_AUTOTUNE=0).
+
+--occupancy k1,k2,...: the same again with each backward kernel that takes hints (launch_bwd.HINTED) compiled
+with ct.kernel occupancy k (launch.HINT_OVERRIDE), each variant's gradients compared with the first run's,
+so that one run gives each kernel's time at each occupancy.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _median_ms  # noqa: E402
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import make_case, public_call, rel_err  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
+from m2ops.kernels import launch, launch_bwd  # noqa: E402
 
 
 def _kernel_name(key: str) -> str:
@@ -56,7 +62,9 @@ def main():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--occupancy", default="", help="e.g. 2,3,4: also time the backward kernels at these")
     args = ap.parse_args()
+    variants = [None] + [int(k) for k in args.occupancy.split(",") if k]
     rows = []
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
@@ -74,16 +82,31 @@ def main():
 
         def both():
             out_y, out_final = public_call(case, return_final_states=True)
-            torch.autograd.grad((out_y, out_final), list(leaves.values()), (g_y, g_final))
+            return torch.autograd.grad((out_y, out_final), list(leaves.values()), (g_y, g_final))
 
-        r = dict(T=T, N=N, L=args.chunk, fwd_ms=_median_ms(forward), fwd_bwd_ms=_median_ms(both),
-                 kernels=device_times(both))
-        rows.append(r)
-        print(f"T={T} N={N} L={args.chunk}: forward {r['fwd_ms']:.3f} ms, forward+backward {r['fwd_bwd_ms']:.3f} ms; "
-              f"device time per call by kernel (ms):", flush=True)
-        for name, ms in list(r["kernels"].items())[:args.rows]:
-            print(f"    {ms:8.3f}  {name}", flush=True)
-        print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
+        first = None
+        for occ in variants:
+            launch.HINT_OVERRIDE.clear()
+            if occ is not None:
+                launch.HINT_OVERRIDE.update({name: {"occupancy": occ} for name in launch_bwd.HINTED})
+            try:
+                grads = both()
+            except Exception as e:  # noqa: BLE001 - a hint that fails to compile is a result too
+                print(f"T={T} N={N} occupancy {occ}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            if first is None:
+                first = grads
+            err = max(rel_err(a, b) for a, b in zip(grads, first))
+            r = dict(T=T, N=N, L=args.chunk, occupancy=occ, fwd_ms=_median_ms(forward), fwd_bwd_ms=_median_ms(both),
+                     max_rel_diff_to_first=err, kernels=device_times(both))
+            rows.append(r)
+            print(f"T={T} N={N} L={args.chunk} occupancy {occ or 'default'}: forward {r['fwd_ms']:.3f} ms, "
+                  f"forward+backward {r['fwd_bwd_ms']:.3f} ms (gradients differ from the first run's by {err:.1e}); "
+                  f"device time per call by kernel (ms):", flush=True)
+            for name, ms in list(r["kernels"].items())[:args.rows]:
+                print(f"    {ms:8.3f}  {name}", flush=True)
+            print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
+        launch.HINT_OVERRIDE.clear()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
