@@ -26,6 +26,17 @@ def test_bench_records_times_and_peer_errors(tmp_path):
     assert "| 100 | 16 |" in table and "fails:" in table
 
 
+def test_bench_compares_tuned_with_the_default(tmp_path):
+    """m2ops-default (no search, no stored winner) beside m2ops: both timed, and the table's ratio column."""
+    results, table = _bench(tmp_path, "--peers", "m2ops,m2ops-default")
+    by_peer = {r["peer"]: r for r in results}
+    assert by_peer["m2ops"]["ms"] > 0 and by_peer["m2ops-default"]["ms"] > 0
+    head = next(line for line in table.splitlines() if line.startswith("| T |"))
+    row = next(line for line in table.splitlines() if line.startswith("| 100 |"))
+    col = head.split(" | ").index("default / tuned")
+    assert float(row.split(" | ")[col]) > 0
+
+
 def _job(seqlen, peer="m2ops"):
     shape = Shape(batch=1, seqlen=seqlen, nheads=2, headdim=8, ngroups=1, dstate=16, dtype="float32")
     return dict(peer=peer, shape=shape.as_dict(), chunk_size=32, runs=2, warmup=1, device="cpu")

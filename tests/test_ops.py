@@ -162,6 +162,19 @@ def test_bwd_ops_return_empty_for_absent_optionals():
     assert g[6].numel() == 0 and g[7].numel() == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_state_bwd_names_a_wrong_states_argument(bad, device):
+    """The optional entering states of fwd_pass_state_bwd are checked by name, on the real and the fake path
+    (a meta tensor runs the fake implementation, as torch.compile's tracing does)."""
+    args = list(bwd_args(CASES[0])["state_given"])
+    states = args[-1]
+    args[-1] = states[:, :-1] if bad == "shape" else states.to(torch.int32)
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(ValueError if bad == "shape" else TypeError, match=r"fwd_pass_state_bwd: states must be"):
+        BWD_OPS["state_given"](*args)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # gradcheck of the public function (float64)
 # ---------------------------------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ instead of a callable."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
 
-PEERS = ("m2ops", "m2ops-graph", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
+PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
          "tilegym-tuned")
 
 
@@ -61,7 +62,12 @@ GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
 
 def _forward(peer, inputs, chunk_size):
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    if peer in ("m2ops", "m2ops-graph"):
+    if peer in ("m2ops", "m2ops-graph", "m2ops-default"):
+        if peer == "m2ops-default":
+            # The configuration chosen without search: no tuning, and an empty cache of its own so that no
+            # stored winner is read either (each peer has its own worker process, so this stays in it).
+            os.environ["M2OPS_AUTOTUNE"] = "0"
+            os.environ["M2OPS_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="m2ops-default-"), "none.json")
         from m2ops import mamba_chunk_scan_combined
         return lambda: mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=init,
                                                  return_final_states=True)

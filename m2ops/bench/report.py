@@ -22,7 +22,9 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         shapes[r["key"]] = r
     others = [p for p in peers if not p.startswith("m2ops")]
     checked = any("err_y" in r for r in results)
+    untuned = "m2ops-default" in peers  # m2ops without tuning: the tuner's gain, default time / tuned time
     head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
+            + (["default / tuned"] if untuned else [])
             + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
@@ -34,6 +36,9 @@ def markdown(results: list[dict], peers: list[str]) -> str:
             r = row.get(p)
             ok = ours and "ms" in ours and r and "ms" in r
             cells.append(f"{r['ms'] / ours['ms']:.2f}" if ok else "")
+        if untuned:
+            r = row.get("m2ops-default")
+            cells.append(f"{r['ms'] / ours['ms']:.2f}" if ours and "ms" in ours and r and "ms" in r else "")
         floor = s["floor_ms"]
         cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
         if checked:

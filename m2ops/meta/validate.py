@@ -100,6 +100,16 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     _check_dt_limit(dt_limit)
 
 
+def check_entering_states(states, g_states, where="m2ops::fwd_pass_state_bwd"):
+    """The optional `states` argument of the fwd_pass_state backward op: the forward's entering states, one per
+    chunk, laid out as their gradient g_states (batch, nchunks, nheads, headdim, dstate)."""
+    if states is None:
+        return
+    _tensor("states", states, FLOAT_DTYPES, "floating", where)
+    _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
+    _device("states", states, g_states.device, where)
+
+
 def _check_head_params(D, dt_bias, h, p, where=_WHERE):
     """D ((nheads,) or (nheads, headdim)) and dt_bias ((nheads,)), shared by the scan and the decode step."""
     if D is not None:

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..meta import fake
+from ..meta.validate import check_entering_states
 from . import dispatch
 from ..reference import chunked as ref
 from ..reference import chunked_backward as bwd
@@ -27,6 +28,7 @@ def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: T
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None). states: the forward's
     entering states (fwd_pass_state's first output) where the caller has them, else recomputed."""
+    check_entering_states(states, g_states)
     return bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
                                   cu_seqlens, states)
 
@@ -34,7 +36,15 @@ def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: T
 fwd_pass_state.register_fake(fake.fwd_pass_state)
 fwd_pass_state.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state", ref.fwd_pass_state))
 fwd_pass_state_bwd.register_fake(fake.fwd_pass_state_bwd)
-fwd_pass_state_bwd.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state_bwd", bwd.fwd_pass_state_bwd))
+_bwd_cuda = dispatch.cuda_impl("fwd_pass_state_bwd", bwd.fwd_pass_state_bwd)
+
+
+@fwd_pass_state_bwd.register_kernel("cuda")
+def _fwd_pass_state_bwd_cuda(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
+                             cu_seqlens, states=None):
+    check_entering_states(states, g_states)
+    return _bwd_cuda(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
+                     states)
 
 
 def _setup(ctx, inputs, output):

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_kernels import _median_ms  # noqa: E402
+from check_kernels import _kernel_times, _median_ms  # noqa: E402
 from gpu_cases import make_case, public_call, rel_err  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
@@ -38,22 +38,9 @@ def _kernel_name(key: str) -> str:
 
 
 def device_times(fn, reps=5) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: dict = {}
-    for ev in prof.key_averages():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
-        if us:
-            name = _kernel_name(ev.key)
-            out[name] = out.get(name, 0.0) + us / 1000.0 / reps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    """Device ms per call of every kernel fn launches, cuTile kernels by name, largest first."""
+    times = _kernel_times(fn, reps, bucket=_kernel_name)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def main():

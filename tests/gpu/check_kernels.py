@@ -161,9 +161,14 @@ def _median_ms(fn, reps=20):
 KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out")
 
 
-def _kernel_times(fn, reps=10):
-    """Device time per call of each cuTile kernel (and of everything else) over reps calls of fn, from the
-    torch profiler; {} when the profiler cannot record CUDA kernels here."""
+def _forward_bucket(symbol: str) -> str:
+    """The forward kernel whose name a profiler symbol contains, else "other"."""
+    return next((k for k in KERNEL_NAMES if k + "_kernel" in symbol), "other")
+
+
+def _kernel_times(fn, reps=10, bucket=_forward_bucket):
+    """Device time per call of fn's kernels over reps calls, from the torch profiler, summed by bucket(symbol)
+    (default: the forward kernels by name and "other"); {} when the profiler cannot record CUDA kernels."""
     try:
         from torch.profiler import ProfilerActivity, profile as tprofile
         fn()
@@ -174,12 +179,14 @@ def _kernel_times(fn, reps=10):
             torch.cuda.synchronize()
         out = {}
         for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None)
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(ev, "self_device_time_total", None)
             if us is None:
-                us = getattr(ev, "cuda_time_total", 0.0)
+                us = getattr(ev, "self_cuda_time_total", 0.0)
             if not us:
                 continue
-            name = next((k for k in KERNEL_NAMES if k + "_kernel" in ev.key), "other")
+            name = bucket(ev.key)
             out[name] = out.get(name, 0.0) + us / 1000.0 / reps
         return out
     except Exception as e:  # noqa: BLE001 - per-kernel times are a bonus; op times are measured anyway
