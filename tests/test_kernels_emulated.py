@@ -262,14 +262,20 @@ def test_backward_kernels(kw):
     want = ref_bwd.fwd_pass_state_bwd(*args)
     with emulated_kernels():
         got = launch_bwd.fwd_pass_state_bwd(*args)
-        # given the entering states (as chunk_scan's backward passes them), the same without recomputing
-        got_given = launch_bwd.fwd_pass_state_bwd(*args, mid["states"])
+        # given the entering states and another op's g_x to add (as chunk_scan's backward passes them)
+        base = _cotangent(case["x"], gen).to(case["x"].dtype)
+        got_given = launch_bwd.fwd_pass_state_bwd(*args, mid["states"], base)
     _assert_no_aliasing(args, got)
+    _assert_no_aliasing((*args, base), got_given)
     dtype = case["x"].dtype
-    for name, a, b, c in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_given):
+    want_given = (ref_bwd.fwd_pass_state_bwd(*args, None, base)[0], *want[1:])
+    assert rel_err(want_given[0].float(), want[0].float() + base.float()) <= BWD_TOL[dtype]
+    for name, a, b, c, d in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_given,
+                                want_given):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
+        assert c.shape == d.shape and c.dtype == d.dtype and c.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
-        assert rel_err(c, b) <= BWD_TOL[dtype], f"{name} (states given): {rel_err(c, b):.3e}"
+        assert rel_err(c, d) <= BWD_TOL[dtype], f"{name} (states and g_x_base given): {rel_err(c, d):.3e}"
 
 
 def _assert_no_aliasing(args, outputs):

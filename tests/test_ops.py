@@ -69,7 +69,8 @@ def bwd_args(case, dtype=torch.float32):
     return dict(
         cumsum=(cot(o["dt_out"]), cot(o["dA_cumsum"]), *s["cumsum"]),
         state=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"]),
-        state_given=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"], o["states"].detach()),
+        state_given=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"], o["states"].detach(),
+                     cot(s["state"][0])),
         out=(cot(o["y"]), *s["out"]),
     )
 
@@ -78,7 +79,8 @@ FWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum.default, "state": torch.ops.m2
            "out": torch.ops.m2ops.compute_out.default, "scan": torch.ops.m2ops.chunk_scan.default}
 BWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum_bwd.default,
            "state": torch.ops.m2ops.fwd_pass_state_bwd.default,
-           "state_given": torch.ops.m2ops.fwd_pass_state_bwd.default,  # with the forward's entering states
+           # with the forward's entering states and a gradient of x to add
+           "state_given": torch.ops.m2ops.fwd_pass_state_bwd.default,
            "out": torch.ops.m2ops.compute_out_bwd.default}
 
 
@@ -164,15 +166,26 @@ def test_bwd_ops_return_empty_for_absent_optionals():
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
-def test_state_bwd_names_a_wrong_states_argument(bad, device):
-    """The optional entering states of fwd_pass_state_bwd are checked by name, on the real and the fake path
-    (a meta tensor runs the fake implementation, as torch.compile's tracing does)."""
+@pytest.mark.parametrize("name", ["states", "g_x_base"])
+def test_state_bwd_names_a_wrong_optional_argument(name, bad, device):
+    """The optional arguments of fwd_pass_state_bwd are checked by name, on the real and the fake path (a meta
+    tensor runs the fake implementation, as torch.compile's tracing does)."""
     args = list(bwd_args(CASES[0])["state_given"])
-    states = args[-1]
-    args[-1] = states[:, :-1] if bad == "shape" else states.to(torch.int32)
+    i = -2 if name == "states" else -1
+    args[i] = args[i][:, :-1] if bad == "shape" else args[i].to(torch.int32)
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    with pytest.raises(ValueError if bad == "shape" else TypeError, match=r"fwd_pass_state_bwd: states must be"):
+    with pytest.raises(ValueError if bad == "shape" else TypeError, match=rf"fwd_pass_state_bwd: {name} must be"):
         BWD_OPS["state_given"](*args)
+
+
+def test_state_bwd_adds_g_x_base():
+    """g_x_base comes back added into g_x, the other gradients as without it."""
+    args = bwd_args(CASES[0])["state_given"]
+    plain = BWD_OPS["state"](*args[:-2])  # the same cotangents, no states, no g_x_base
+    given = BWD_OPS["state_given"](*args)
+    torch.testing.assert_close(given[0], plain[0] + args[-1])
+    for p, g in zip(plain[1:], given[1:]):
+        torch.testing.assert_close(g, p)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -71,13 +71,13 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None):
+                       cu_seqlens, states=None, g_x_base=None):
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, B, dt_out, dA_cumsum, g_states, g_final) or dt_out.dtype == torch.float64
             or g_states.dtype == torch.float64 or not supported_chunk_size(L)
             or (cu_seqlens is not None and g_varlen.numel() > 0)):
         return ref_bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states,
-                                          seq_idx, cu_seqlens, states)
+                                          seq_idx, cu_seqlens, states, g_x_base)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nchunks = dt_out.shape[2]
@@ -114,9 +114,11 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     hinted = functools.partial(launch.hinted_kernel, dtype=launch._dtype_name(mma_dtype), chunk_size=k["BL"])
+    base = _as(g_x_base, mma_dtype) if g_x_base is not None else _dummy(x, mma_dtype, 4)
     launch._launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
-            (xk, Bk, dtk, csk, seq, g_local, g_x, g_w_part,
-             T, h, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
+            (xk, Bk, dtk, csk, seq, g_local, base, g_x, g_w_part,
+             T, h, h // g, n_ptiles, n_ntiles, int(g_x_base is not None),
+             L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
             (xk, dtk, csk, seq, g_local, g_B,

@@ -7,8 +7,8 @@ in the forward, and gS_C = g_final:
    chunks backwards:  glocal_c = gS_{c+1};  gcarry_c = <gS_{c+1}, S_c> (this block's share);
    gS_c = g_states[c] + carry_c gS_{c+1};  at the end g_init = gS_0.
 2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
-   tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M and this headdim tile's share of
-   g_w = sum_p x M.
+   tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M (plus the caller's g_x_base, another op's
+   gradient of x) and this headdim tile's share of g_w = sum_p x M.
 3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
    over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
 
@@ -64,8 +64,9 @@ def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, 
 
 @ct.kernel
 def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big,
-                             g_x: Big, g_w_part: Big,
-                             seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
+                             g_x_base: Big, g_x: Big, g_w_part: Big,
+                             seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
+                             has_base: int, L: int,
                              BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -86,7 +87,11 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
                          padding_mode=_ZERO).reshape((TP, TN))
             m = ct.mma(_op(bs, LOWP), _op(ct.transpose(gl), LOWP), m)
         xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        ct.store(g_x, (b, row, h, pt), (m * w[:, None]).astype(g_x.dtype).reshape((1, BL, 1, TP)))
+        gx = m * w[:, None]
+        if has_base != 0:  # another op's gradient of x, added here rather than in a separate pass
+            gx = gx + ct.load(g_x_base, (b, row, h, pt), shape=(1, BL, 1, TP),
+                              padding_mode=_ZERO).reshape((BL, TP)).astype(ct.float32)
+        ct.store(g_x, (b, row, h, pt), gx.astype(g_x.dtype).reshape((1, BL, 1, TP)))
         gw = ct.sum(xs.astype(ct.float32) * m, axis=1)
         ct.store(g_w_part, (b, h, pt, row), gw.reshape((1, 1, 1, BL)))
 

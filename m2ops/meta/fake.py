@@ -3,7 +3,7 @@ opcheck trace the ops through these."""
 
 from __future__ import annotations
 
-from .validate import check_entering_states
+from .validate import check_state_bwd_options
 from .shapes import (compute_dtype, cumsum_shape, decode_state_shape, final_states_shape, states_shape,
                      varlen_states_shape)
 
@@ -43,8 +43,8 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None):
-    check_entering_states(states, g_states)
+                       cu_seqlens, states=None, g_x_base=None):
+    check_state_bwd_options(states, g_x_base, g_states, x)
     return (x.new_empty(x.shape), B.new_empty(B.shape), dt_out.new_empty(dt_out.shape),
             dA_cumsum.new_empty(dA_cumsum.shape), _like(initial_states, g_states))
 

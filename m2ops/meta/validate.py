@@ -100,14 +100,18 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     _check_dt_limit(dt_limit)
 
 
-def check_entering_states(states, g_states, where="m2ops::fwd_pass_state_bwd"):
-    """The optional `states` argument of the fwd_pass_state backward op: the forward's entering states, one per
-    chunk, laid out as their gradient g_states (batch, nchunks, nheads, headdim, dstate)."""
-    if states is None:
-        return
-    _tensor("states", states, FLOAT_DTYPES, "floating", where)
-    _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
-    _device("states", states, g_states.device, where)
+def check_state_bwd_options(states, g_x_base, g_states, x, where="m2ops::fwd_pass_state_bwd"):
+    """The optional arguments of the fwd_pass_state backward op: `states`, the forward's entering states laid
+    out as their gradient g_states (batch, nchunks, nheads, headdim, dstate), and `g_x_base`, a gradient of x
+    to add into the op's own (x's shape)."""
+    if states is not None:
+        _tensor("states", states, FLOAT_DTYPES, "floating", where)
+        _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
+        _device("states", states, g_states.device, where)
+    if g_x_base is not None:
+        _tensor("g_x_base", g_x_base, FLOAT_DTYPES, "floating", where)
+        _shape("g_x_base", g_x_base, x.shape, "x's (batch, seqlen, nheads, headdim)", where)
+        _device("g_x_base", g_x_base, x.device, where)
 
 
 def _check_head_params(D, dt_bias, h, p, where=_WHERE):

@@ -42,10 +42,12 @@ def _backward(ctx, g_y, g_final):
         states, _, varlen = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
     g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
                                                                     D, z, seq_idx)
-    # The states just recomputed serve fwd_pass_state_bwd too (freed when the backward returns).
-    g_x2, g_B2, g_dt2, g_dA2, g_init = fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
-                                                          dt_out, dA_cumsum, initial_states, seq_idx, None, states)
-    return (g_x + g_x2, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
+    # The states just recomputed serve fwd_pass_state_bwd too (freed when the backward returns), and it adds
+    # compute_out_bwd's g_x into its own where it writes it (one pass over a (T, H, P) array, not three).
+    g_x, g_B2, g_dt2, g_dA2, g_init = fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
+                                                         dt_out, dA_cumsum, initial_states, seq_idx, None, states,
+                                                         g_x)
+    return (g_x, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
             g_init if initial_states is not None else None,
             g_D if D is not None else None, g_z if z is not None else None, None)
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..meta import fake
-from ..meta.validate import check_entering_states
+from ..meta.validate import check_state_bwd_options
 from . import dispatch
 from ..reference import chunked as ref
 from ..reference import chunked_backward as bwd
@@ -24,13 +24,14 @@ def fwd_pass_state(x: Tensor, B: Tensor, dt_out: Tensor, dA_cumsum: Tensor, init
 @custom_op("m2ops::fwd_pass_state_bwd", mutates_args=())
 def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: Tensor, B: Tensor, dt_out: Tensor,
                        dA_cumsum: Tensor, initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                       cu_seqlens: Optional[Tensor], states: Optional[Tensor] = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       cu_seqlens: Optional[Tensor], states: Optional[Tensor] = None,
+                       g_x_base: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (empty when it is None). states: the forward's
-    entering states (fwd_pass_state's first output) where the caller has them, else recomputed."""
-    check_entering_states(states, g_states)
+    entering states (fwd_pass_state's first output) where the caller has them, else recomputed. g_x_base: a
+    gradient of x from elsewhere, added into the returned one (where the kernels write theirs, saving a pass)."""
+    check_state_bwd_options(states, g_x_base, g_states, x)
     return bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                                  cu_seqlens, states)
+                                  cu_seqlens, states, g_x_base)
 
 
 fwd_pass_state.register_fake(fake.fwd_pass_state)
@@ -41,10 +42,10 @@ _bwd_cuda = dispatch.cuda_impl("fwd_pass_state_bwd", bwd.fwd_pass_state_bwd)
 
 @fwd_pass_state_bwd.register_kernel("cuda")
 def _fwd_pass_state_bwd_cuda(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                             cu_seqlens, states=None):
-    check_entering_states(states, g_states)
+                             cu_seqlens, states=None, g_x_base=None):
+    check_state_bwd_options(states, g_x_base, g_states, x)
     return _bwd_cuda(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
-                     states)
+                     states, g_x_base)
 
 
 def _setup(ctx, inputs, output):

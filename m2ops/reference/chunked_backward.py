@@ -119,9 +119,10 @@ def token_weight_grads(g_w, decay, w, g_carry, carry):
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None):
+                       cu_seqlens, states=None, g_x_base=None):
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (an empty tensor like g_states when it is
-    None). Uses the entering states where given, else recomputes them (the forward recurrence)."""
+    None). Uses the entering states where given, else recomputes them (the forward recurrence). g_x_base: a
+    gradient of x from elsewhere (compute_out's), added into the returned one."""
     b, T, h, p = x.shape
     g, n = B.shape[2:]
     L = dt_out.shape[-1]
@@ -175,8 +176,11 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         g_dt = g_dt + d_dt
         g_cs = g_cs + d_cs
 
-    inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states)
-    grads = (_unchunk(g_x, T), _unchunk(g_B, T), g_dt, g_cs)
+    inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, g_x_base)
+    g_x = _unchunk(g_x, T)
+    if g_x_base is not None:
+        g_x = g_x + g_x_base.to(acc)
+    grads = (g_x, _unchunk(g_B, T), g_dt, g_cs)
     dtypes = (x.dtype, B.dtype, dt_out.dtype, dA_cumsum.dtype)
     if initial_states is None:
         return _finish(grads + (g_states.new_empty((0,)),), inputs, dtypes + (g_states.dtype,))
