@@ -26,10 +26,10 @@ Sums that several programs contribute to are written to zero-initialised buffers
 summed by the launcher: for dA_cumsum (b, h, L/BL, nchunks*L) — a token of block q gets its row part from
 pair (q, k) in slot k < q, its column part from pair (k, q) in slot k > q and both from the diagonal pair in
 slot q — and dt alike (slot m of pair (m, q)); dCB per head split; the inter-chunk part of dA_cumsum per
-dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) every tensor-core product runs in bfloat16: the
-products of G with x, B, C are then exact as before (bfloat16 values are exact in tf32 too), and the decay-
-or state-weighted operands are rounded to bfloat16 as the forward rounds its own; otherwise products with
-G run in tf32.
+dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) the products with G run in bfloat16: G x^T exactly
+as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or i-weighted operands (r G, W,
+S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's products with B and C stay tf32 (dCB is
+float32). Without LOWP the products with G run in tf32.
 """
 
 from __future__ import annotations
