@@ -225,8 +225,9 @@ def test_unpadded_out_of_bounds_loads_are_poisoned():
 
 # ---- backward kernels (m2ops/kernels/launch_bwd.py) ----
 
-# Gradients: products with the float32 cotangents run in tf32 (u = 2^-11) and g_x / g_B / g_dt are rounded to
-# their inputs' dtypes (2^-11 float16, 2^-8 bfloat16): normwise errors average below those.
+# Gradients: products with the float32 cotangents run in tf32 (u = 2^-11), for bfloat16 inputs in bfloat16 with
+# the weighted operands rounded (u = 2^-8, launch_bwd LOWP), and g_x / g_B / g_dt are rounded to their inputs'
+# dtypes (2^-11 float16, 2^-8 bfloat16): normwise errors average below those.
 BWD_TOL = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 CUMSUM_BWD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
