@@ -165,16 +165,19 @@ def test_bwd_ops_return_empty_for_absent_optionals():
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-@pytest.mark.parametrize("bad", ["shape", "dtype"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "device"])
 @pytest.mark.parametrize("name", ["states", "g_x_base"])
 def test_state_bwd_names_a_wrong_optional_argument(name, bad, device):
     """The optional arguments of fwd_pass_state_bwd are checked by name, on the real and the fake path (a meta
-    tensor runs the fake implementation, as torch.compile's tracing does)."""
+    tensor runs the fake implementation, as torch.compile's tracing does); "meta" is the other device."""
+    if bad == "device" and device == "meta":
+        pytest.skip("meta is the other device")
     args = list(bwd_args(CASES[0])["state_given"])
     i = -2 if name == "states" else -1
-    args[i] = args[i][:, :-1] if bad == "shape" else args[i].to(torch.int32)
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    with pytest.raises(ValueError if bad == "shape" else TypeError, match=rf"fwd_pass_state_bwd: {name} must be"):
+    args[i] = {"shape": lambda t: t[:, :-1], "dtype": lambda t: t.to(torch.int32),
+               "device": lambda t: t.to("meta")}[bad](args[i])
+    with pytest.raises(TypeError if bad == "dtype" else ValueError, match=rf"fwd_pass_state_bwd: {name} must be"):
         BWD_OPS["state_given"](*args)
 
 

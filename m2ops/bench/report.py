@@ -13,6 +13,11 @@ def _fmt_ms(r):
     return f"{r['ms']:.3f}"
 
 
+def _ratio(r, ours):
+    """r's time over m2ops's (ours), where both were measured, else an empty cell."""
+    return f"{r['ms'] / ours['ms']:.2f}" if ours and "ms" in ours and r and "ms" in r else ""
+
+
 def markdown(results: list[dict], peers: list[str]) -> str:
     """One row per shape: each peer's ms, m2ops's speedup over it, the floor and m2ops's multiple of it."""
     by_shape = defaultdict(dict)
@@ -32,13 +37,9 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         s = shapes[key]
         ours = row.get("m2ops")
         cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p)) for p in peers]
-        for p in others:
-            r = row.get(p)
-            ok = ours and "ms" in ours and r and "ms" in r
-            cells.append(f"{r['ms'] / ours['ms']:.2f}" if ok else "")
+        cells += [_ratio(row.get(p), ours) for p in others]
         if untuned:
-            r = row.get("m2ops-default")
-            cells.append(f"{r['ms'] / ours['ms']:.2f}" if ours and "ms" in ours and r and "ms" in r else "")
+            cells.append(_ratio(row.get("m2ops-default"), ours))
         floor = s["floor_ms"]
         cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
         if checked:

@@ -57,11 +57,9 @@ def _seq_block(seq_idx, b, row, BL):
     return ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
 
 
-def _diag_decay(cs, BL):
-    """exp(cs_l - cs_s) on the causal mask of a diagonal block (masked before exp: above the diagonal the
-    difference is positive and could overflow)."""
-    rows = ct.arange(BL, dtype=ct.int32)
-    keep = rows[:, None] >= rows[None, :]
+def _diag_decay(cs, keep):
+    """exp(cs_l - cs_s) of a diagonal block where keep (the causal, same-sequence mask), else 0 (masked before
+    exp: above the diagonal the difference is positive and could overflow)."""
     return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], _NEG_INF))
 
 
@@ -118,9 +116,11 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
         acc = ct.mma(_op(ct.transpose(cbt), LOWP), _op(gm, LOWP), acc)
     acc = acc * (ct.exp(cs_p - cs_j) * dt_j)[:, None]
     # The diagonal block, decay per element.
-    decay = _diag_decay(cs_j, BL)
+    rows = ct.arange(BL, dtype=ct.int32)
+    keep = rows[:, None] >= rows[None, :]
     if HAS_SEQ:
-        decay = ct.where(seq_j[:, None] == seq_j[None, :], decay, 0.0)
+        keep = keep & (seq_j[:, None] == seq_j[None, :])
+    decay = _diag_decay(cs_j, keep)
     cbt = ct.load(cb, (b, c, g, j, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
     w = cbt * decay * dt_j[None, :]
     gj = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
@@ -178,8 +178,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
             for h in range(h0, h1):
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
-                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * ct.exp(
-                    ct.where(keep, cs_m[:, None] - cs_m[None, :], _NEG_INF))
+                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * _diag_decay(cs_m, keep)
                 t = v * cbt
                 ct.store(p_dt, (b, h, m, jrow), ct.sum(t, axis=0).reshape((1, 1, 1, BL)))
                 # Both sums of T dt from the same products, so that a token's own terms cancel exactly.

@@ -149,7 +149,7 @@ def g_dtype_name(dtype: str) -> str:
 
 
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
-    """As chunk_state_bwd_constants: the chunk size is a run-time argument. LOWP: every tensor-core product in
+    """As chunk_state_bwd_constants: the chunk size is a run-time argument. LOWP: the products with G in
     bfloat16, where the activations and G are bfloat16 (compute_out_bwd.py)."""
     return dict(BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
                 LOWP=g_dtype_name(dtype) == "bfloat16")

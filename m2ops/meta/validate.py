@@ -107,7 +107,7 @@ def check_state_bwd_options(states, g_x_base, g_states, x, where="m2ops::fwd_pas
     if states is not None:
         _tensor("states", states, FLOAT_DTYPES, "floating", where)
         _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
-        _device("states", states, g_states.device, where)
+        _device("states", states, x.device, where)
     if g_x_base is not None:
         _tensor("g_x_base", g_x_base, FLOAT_DTYPES, "floating", where)
         _shape("g_x_base", g_x_base, x.shape, "x's (batch, seqlen, nheads, headdim)", where)
