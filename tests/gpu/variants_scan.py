@@ -45,6 +45,13 @@ VARIANTS = {
     "index32 cb bf16": ({}, {}, True, "cb16"),
     "states bf16": ({}, {}, False, "states16"),
     "index32 states+cb bf16": ({}, {}, True, "cb16", "states16"),
+    # chunk_state with longer token steps (fewer dependent load -> mma rounds per program), on the defaults
+    "state BL128": ({"chunk_state": {"BL": 128}}, {}, True, "cb16", "states16"),
+    "state BL256": ({"chunk_state": {"BL": 256}}, {}, True, "cb16", "states16"),
+    "state BL128 TN128": ({"chunk_state": {"BL": 128, "TN": 128}}, {}, True, "cb16", "states16"),
+    "state BL128 occ 2": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
+    "state BL256 occ 2": ({"chunk_state": {"BL": 256}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
+    "state BL128 occ 4": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16"),
 }
 
 
