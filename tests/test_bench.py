@@ -129,3 +129,16 @@ def test_check_reference_matches_the_public_function_with_groups():
     y_ref, fin_ref = reference(inp, 32, heads_per_step=4)
     torch.testing.assert_close(y_ref, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fin_ref, fin, rtol=1e-5, atol=1e-5)
+
+
+def test_default_over_tuned_prefers_the_cuda_graph_pair():
+    """With both graph peers present the tuner's gain is their ratio (eager calls can be host-bound)."""
+    from m2ops.bench.report import markdown
+    shape = dict(seqlen=1024, dstate=64, batch=1, nheads=80, headdim=64, ngroups=1, dtype="bfloat16")
+    times = {"m2ops": 0.40, "m2ops-default": 0.80, "m2ops-graph": 0.10, "m2ops-default-graph": 0.11}
+    results = [dict(peer=p, ms=ms, key="k", shape=shape, floor_ms=0.01) for p, ms in times.items()]
+    table = markdown(results, list(times)).splitlines()
+    col = table[0].split(" | ").index("default / tuned")
+    assert table[2].split(" | ")[col] == "1.10"
+    eager = markdown(results[:2], ["m2ops", "m2ops-default"]).splitlines()
+    assert eager[2].split(" | ")[eager[0].split(" | ").index("default / tuned")] == "2.00"

@@ -10,7 +10,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
+PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
          "tilegym-tuned")
 
 
@@ -54,7 +54,7 @@ def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
             def fn():
                 y, final = forward()
                 return torch.autograd.grad((y, final), leaves, (dout, dfinal))
-    return _graphed(fn) if peer == "m2ops-graph" else fn
+    return _graphed(fn) if peer.endswith("-graph") else fn
 
 
 GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
@@ -62,8 +62,8 @@ GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
 
 def _forward(peer, inputs, chunk_size):
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    if peer in ("m2ops", "m2ops-graph", "m2ops-default"):
-        if peer == "m2ops-default":
+    if peer in ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph"):
+        if peer.startswith("m2ops-default"):
             # The configuration chosen without search: no tuning, and an empty cache of its own so that no
             # stored winner is read either (each peer has its own worker process, so this stays in it).
             os.environ["M2OPS_AUTOTUNE"] = "0"
