@@ -31,7 +31,7 @@ _ZERO = ct.PaddingMode.ZERO
 def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
                        seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool):
+                       CHK: ConstBool, SCALE_X: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
@@ -59,8 +59,14 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((BL,))
             w = ct.where(seq == seq_last, w, 0.0)
         bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
         xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-        s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
+        if SCALE_X:
+            # The weights on x, the operand that is transposed anyway, so that B's tile goes to the mma as
+            # loaded (no scaled copy of it written back to shared memory).
+            xw = (xs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
+            s = ct.mma(ct.transpose(xw), bs.astype(mma_dtype), s)
+        else:
+            bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
+            s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
 
     ct.store(states, (b, c, h, pt, nt), s.reshape((1, 1, 1, TP, TN)))

@@ -54,9 +54,13 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
+# chunk_state applies each token's weight to x instead of B (kernels/chunk_state.py SCALE_X).
+CHUNK_STATE_SCALE_X = False
+
+
 def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check))
+             CHK=bool(check), SCALE_X=CHUNK_STATE_SCALE_X)
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
 
@@ -394,7 +398,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
             hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
              T, h, h // g, n_state_tiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SCALE_X"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n
