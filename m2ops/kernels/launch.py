@@ -54,12 +54,15 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-# chunk_state applies each token's weight to x instead of B (kernels/chunk_state.py SCALE_X).
-CHUNK_STATE_SCALE_X = False
+# chunk_state applies each token's weight to x instead of B (kernels/chunk_state.py SCALE_X), with 128-wide
+# dstate tiles: 0.273 -> 0.133 ms at T=16K N=128, 2.120 -> 0.979 at T=64K N=256 (tests/gpu/variants_scan.py
+# "state scale x TN128", H200).
+CHUNK_STATE_SCALE_X = True
+CHUNK_STATE_TN = 128
 
 
 def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
-    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=CHUNK_STATE_TN, HAS_SEQ=bool(has_seq),
              CHK=bool(check), SCALE_X=CHUNK_STATE_SCALE_X)
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
