@@ -414,21 +414,6 @@ def test_wider_dstate_tiles(monkeypatch, dstate):
 
 
 @pytest.mark.parametrize("seq_idx", [False, True])
-def test_chunk_state_with_weights_on_x(monkeypatch, seq_idx):
-    """chunk_state with each token's weight applied to x instead of B (SCALE_X, a tests/gpu/variants_scan.py
-    experiment): the same states within the bf16 tolerance, with seq_idx restarts and a partial last chunk."""
-    case = _bf16_case(chunk_size=64, batch=2, seqlen=200, nheads=4, ngroups=2, headdim=16, dstate=32, D="h",
-                      initial_states=True, seq_idx=seq_idx, nseqs=3, seed=5)
-    _, fin_ref, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"SCALE_X": True}})
-    with emulated_kernels():
-        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
-                                            case["initial_states"], case["seq_idx"], None)
-    _check(st_, mid["states"], "states", torch.bfloat16, "states")
-    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
-
-
-@pytest.mark.parametrize("seq_idx", [False, True])
 def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     """STATES_IN_BF16 (the default): state_passing writes the entering states to a separate bfloat16 array
     (SEP), compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept

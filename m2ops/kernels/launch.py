@@ -54,16 +54,14 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-# chunk_state applies each token's weight to x instead of B (kernels/chunk_state.py SCALE_X), with 128-wide
-# dstate tiles: 0.273 -> 0.133 ms at T=16K N=128, 2.120 -> 0.979 at T=64K N=256 (tests/gpu/variants_scan.py
-# "state scale x TN128", H200).
-CHUNK_STATE_SCALE_X = True
+# chunk_state's dstate tile: 128 (x read once per 128 state columns) took 0.167 -> 0.133 ms at T=16K N=128 and
+# 1.234 -> 0.979 at T=64K N=256 (tests/gpu/variants_scan.py, H200; with the weights on x, chunk_state.py).
 CHUNK_STATE_TN = 128
 
 
 def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=CHUNK_STATE_TN, HAS_SEQ=bool(has_seq),
-             CHK=bool(check), SCALE_X=CHUNK_STATE_SCALE_X)
+             CHK=bool(check))
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
 
@@ -401,7 +399,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
             hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
             (xk, Bk, dtk, csk, seq, states,
              T, h, h // g, n_state_tiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SCALE_X"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n

@@ -48,7 +48,8 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
         row = c * (L // BL) + sb
         xs = ct.load(x, (0, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (0, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        bw = (bs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        s = ct.mma(ct.transpose(xs.astype(mma_dtype)), bw, s)
+        # The weights on x, not B, as in chunk_state.py.
+        xw = (xs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
+        s = ct.mma(ct.transpose(xw), bs.astype(mma_dtype), s)
 
     ct.store(varlen_states, (seq, h, pt, nt), s.reshape((1, 1, TP, TN)))

@@ -51,10 +51,6 @@ VARIANTS = {
     "state BL128 TN128": ({"chunk_state": {"BL": 128, "TN": 128}}, {}, True, "cb16", "states16"),
     "state BL128 occ 2": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
     "state BL256 occ 2": ({"chunk_state": {"BL": 256}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
-    "state scale x": ({"chunk_state": {"SCALE_X": True}}, {}, True, "cb16", "states16"),
-    "state scale x occ 3": ({"chunk_state": {"SCALE_X": True}}, {"chunk_state": {"occupancy": 3}}, True, "cb16",
-                            "states16"),
-    "state scale x TN128": ({"chunk_state": {"SCALE_X": True, "TN": 128}}, {}, True, "cb16", "states16"),
     "state BL128 occ 4": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16"),
 }
 
