@@ -96,3 +96,10 @@ def mma_operand(t, LOWP):
     if LOWP:
         return t.astype(ct.bfloat16)
     return t.astype(ct.float32).astype(ct.tfloat32)
+
+
+def diag_decay(cs, keep):
+    """exp(cs_l - cs_s) of a diagonal (BL x BL) block where keep (the causal, same-sequence mask), else 0: masked
+    before the exp, since above the diagonal the difference is positive and could overflow."""
+    return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], -float("inf")))
+

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, load_tile
+from .common import Big, ConstBool, ConstInt, diag_decay, load_tile
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -94,8 +94,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     keep = rows[:, None] >= rows[None, :]
     if HAS_SEQ:
         keep = keep & (seq_i[:, None] == seq_i[None, :])
-    # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
-    decay = ct.exp(ct.where(keep, cs_i[:, None] - cs_i[None, :], -float("inf")))
+    decay = diag_decay(cs_i, keep)
     cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL)).astype(
         ct.float32)
     wgt = cbt * decay * dt_i[None, :]

@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import Big, ConstBool, ConstInt, diag_decay
 from .common import mma_operand as _op
 
 _ZERO = ct.PaddingMode.ZERO
-_NEG_INF = -float("inf")
 
 
 def _rows_in_chunk(seqlen, c, L, BL):
@@ -55,12 +54,6 @@ def _vec(a, b, h, c, blk, BL):
 
 def _seq_block(seq_idx, b, row, BL):
     return ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-
-
-def _diag_decay(cs, keep):
-    """exp(cs_l - cs_s) of a diagonal block where keep (the causal, same-sequence mask), else 0 (masked before
-    exp: above the diagonal the difference is positive and could overflow)."""
-    return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], _NEG_INF))
 
 
 def _inter(dA_cumsum, seq_idx, b, h, c, m, L, BL, HAS_SEQ):
@@ -122,7 +115,7 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     keep = rows[:, None] >= rows[None, :]
     if HAS_SEQ:
         keep = keep & (seq_j[:, None] == seq_j[None, :])
-    decay = _diag_decay(cs_j, keep)
+    decay = diag_decay(cs_j, keep)
     cbt = ct.load(cb, (b, c, g, j, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
     w = cbt * decay * dt_j[None, :]
     gj = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
@@ -180,7 +173,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
             for h in range(h0, h1):
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
-                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * _diag_decay(cs_m, keep)
+                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * diag_decay(cs_m, keep)
                 t = v * cbt
                 ct.store(p_dt, (b, h, m, jrow), ct.sum(t, axis=0).reshape((1, 1, 1, BL)))
                 # Both sums of T dt from the same products, so that a token's own terms cancel exactly.

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import Big, ConstBool, ConstInt, diag_decay
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -137,8 +137,7 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
                      ct.zeros((BL, TP), dtype=ct.float32))
         acc = acc * inter[:, None]
         cb = ct.mma(cm, ct.transpose(bm), ct.zeros((BL, BL), dtype=ct.float32))
-        # Masked before exp: above the diagonal cs_i - cs_j > 0 and could overflow.
-        decay = ct.exp(ct.where(keep, csb[:, None] - csb[None, :], -float("inf")))
+        decay = diag_decay(csb, keep)
         acc = ct.mma((cb * decay * dtb[None, :]).astype(mma_dtype), xs, acc)
         if has_d != 0:
             acc = acc + xs.astype(ct.float32) * dv
