@@ -96,7 +96,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     pn = p * n
     blk = state_passing_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
-    g_local = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
+    g_local = torch.empty((b, nchunks, h, p, n), device=dev,
+                          dtype=getattr(torch, g_local_dtype_name(launch._dtype_name(mma_dtype))))
     g_carry_part = torch.empty((b, h, nchunks, n_blocks), dtype=torch.float32, device=dev)
     g_init = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
     ks = state_passing_bwd_constants(blk, has_seq)
@@ -146,6 +147,18 @@ G_IN_BF16 = True
 def g_dtype_name(dtype: str) -> str:
     """dtype of compute_out_bwd's G for activations of dtype."""
     return "bfloat16" if (G_IN_BF16 and dtype == "bfloat16") else "float32"
+
+
+# The state gradient each chunk's local state receives (glocal, written by state_passing_bwd, read by
+# chunk_state_bwd_x and _b) stored in bfloat16 where those kernels round it to bfloat16 anyway (LOWP): same
+# results, half the bytes of the largest array of fwd_pass_state's backward.
+G_LOCAL_IN_BF16 = True
+
+
+def g_local_dtype_name(dtype: str) -> str:
+    """dtype of glocal for activations of dtype."""
+    lowp = chunk_state_bwd_constants(64, False, dtype)["LOWP"]
+    return "bfloat16" if (G_LOCAL_IN_BF16 and lowp) else "float32"
 
 
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:

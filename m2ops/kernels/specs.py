@@ -136,11 +136,11 @@ _INT, _FLOAT = ("int",), ("float",)
 
 
 def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32,
-            g_dtype: str = F32) -> tuple:
+            g_dtype: str = F32, g_local_dtype: str = F32) -> tuple:
     """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
     dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays; state_dtype is also
     state_passing's separate entering-state output and compute_out's states; cb_dtype: chunk_cb's output and
-    compute_out's C . B^T; g_dtype: compute_out_bwd's G."""
+    compute_out's C . B^T; g_dtype: compute_out_bwd's G; g_local_dtype: fwd_pass_state's backward's glocal."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -171,13 +171,13 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(F32, 4), _a(F32, 4), _a(dt, 3), _a(F32, 1), _a(F32, 1), _a(dt, 3), _a(F32, 3), _a(F32, 3),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     if kernel_name == "state_passing_bwd":
-        return (_a(F32, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(F32, 4), _a(F32, 4), _a(F32, 3),
-                _INT, _INT, _INT, _INT)
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 4), _a(F32, 4),
+                _a(F32, 3), _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_x":
-        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4), _a(dt, 4),
-                _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
+                _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_b":
-        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5), _a(dt, 4),
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
         return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
@@ -250,9 +250,11 @@ def all_specs() -> list[Spec]:
                             _params("chunk_cumsum_bwd", dt)))
         for L in sorted({min(L, 64) for L in CHUNK_SIZES}):  # one chunk size per token block
             for has_seq in (False, True):
+                gl = launch_bwd.g_local_dtype_name(dt)
                 for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
-                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq, dt), _params(name, dt),
-                                    _hints(name, dt, L)))
+                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq, dt),
+                                    _params(name, dt, g_local_dtype=gl), _hints(name, dt, L),
+                                    dtypes=(("g_local", gl),) if gl != F32 else ()))
                 k4 = launch_bwd.compute_out_bwd_constants(L, has_seq, dt)
                 k3 = {key: v for key, v in k4.items() if key != "TN"}
                 gd = launch_bwd.g_dtype_name(dt)
@@ -261,10 +263,13 @@ def all_specs() -> list[Spec]:
                     out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
                 for name in ("out_bwd_dcbw", "out_bwd_dx"):
                     out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
+    g_locals = sorted({launch_bwd.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
-            out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
-                            _params("state_passing_bwd", F32)))
+            for gl in g_locals:
+                out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
+                                _params("state_passing_bwd", F32, g_local_dtype=gl),
+                                dtypes=(("g_local", gl),) if gl != F32 else ()))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):

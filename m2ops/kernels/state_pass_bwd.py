@@ -14,7 +14,10 @@ in the forward, and gS_C = g_final:
 
 The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
 (b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
-inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands.
+inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands. Under
+LOWP state_passing_bwd stores glocal in bfloat16 (launch_bwd.g_local_dtype_name): the same rounding, done once
+where it is written instead of in every program that reads it, at half the bytes; gcarry is formed from the
+float32 value before.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
     for i in range(nchunks):
         c = nchunks - 1 - i
         s_c, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1)
-        ct.store(g_local, (b, c, h, blk), g.reshape((1, 1, 1, BLK)))
+        ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
         ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c).reshape((1, 1, 1, 1)))
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         g = gst + carry * g
