@@ -10,8 +10,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym",
-         "tilegym-tuned")
+PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph", "mamba_ssm-c64", "mamba_ssm-c128",
+         "mamba_ssm-c256", "tilegym", "tilegym-tuned")
 
 
 def make_inputs(shape, device, seed=0):
