@@ -31,9 +31,8 @@ def markdown(results: list[dict], peers: list[str]) -> str:
     # were run, since at short sequences the eager calls are host-bound and scatter more than the tuner gains.
     pair = next((pr for pr in (("m2ops-default-graph", "m2ops-graph"), ("m2ops-default", "m2ops"))
                  if all(p in peers for p in pr)), None)
-    untuned = pair is not None
     head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
-            + (["default / tuned"] if untuned else [])
+            + (["default / tuned"] if pair else [])
             + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
@@ -42,7 +41,7 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         ours = row.get("m2ops")
         cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p)) for p in peers]
         cells += [_ratio(row.get(p), ours) for p in others]
-        if untuned:
+        if pair:
             cells.append(_ratio(row.get(pair[0]), row.get(pair[1])))
         floor = s["floor_ms"]
         cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]

@@ -103,3 +103,12 @@ def diag_decay(cs, keep):
     before the exp, since above the diagonal the difference is positive and could overflow."""
     return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], -float("inf")))
 
+
+def weighted_state_product(xs, bs, w, acc):
+    """acc + (w x)^T B for a block of tokens: xs (BL, TP) and bs (BL, TN) as loaded, w (BL,) each token's weight.
+    The weights go on x, the operand that is transposed anyway, so that B's tile reaches the mma as loaded:
+    weighting B instead (a scaled copy of it for the mma) made chunk_state 1.6x slower on the H200
+    (docs/performance-log.md v10)."""
+    xw = (xs.astype(ct.float32) * w[:, None]).astype(xs.dtype)
+    return ct.mma(ct.transpose(xw), bs.astype(xs.dtype), acc)
+

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, diag_decay
+from .common import Big, ConstBool, ConstInt, diag_decay, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -88,7 +88,6 @@ def segment_state_kernel(x: Big, B: Big, dt: Big, cs: Big, seq_idx: Big, seg_sta
                          n_blocks: int, blocks_per_chunk: int,
                          BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool):
     b, pt, h, g, seg, r0, r1 = _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks)
-    mma_dtype = x.dtype
 
     s = ct.zeros((TP, NT), dtype=ct.float32)
     logc = ct.zeros((), dtype=ct.float32)
@@ -96,9 +95,7 @@ def segment_state_kernel(x: Big, B: Big, dt: Big, cs: Big, seq_idx: Big, seg_sta
         _, _, _, w, step, _, _ = _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ)
         xs = ct.load(x, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
-        # The weights on x, not B: as in chunk_state.py, B's tile then reaches the mma as loaded.
-        xw = (xs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        s = ct.mma(ct.transpose(xw), bs.astype(mma_dtype), s * ct.exp(step))
+        s = weighted_state_product(xs, bs, w, s * ct.exp(step))
         logc = logc + step
 
     ct.store(seg_states, (b, seg, h, pt, 0), s.reshape((1, 1, 1, TP, NT)))
@@ -147,5 +144,4 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
             acc = acc * (zf / (1.0 + ct.exp(-zf)))
         ct.store(y, (b, r, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
 
-        xw = (xs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        s = ct.mma(ct.transpose(xw), bm, s * ct.exp(step))
+        s = weighted_state_product(xs, bm, w, s * ct.exp(step))

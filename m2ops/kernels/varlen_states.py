@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt
+from .common import Big, ConstInt, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -27,7 +27,6 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
     nt = tile % n_ntiles
     pt = tile // n_ntiles
     g = h // heads_per_group
-    mma_dtype = x.dtype
 
     start = ct.load(cu_seqlens, (seq,), shape=())
     last = ct.load(cu_seqlens, (seq + 1,), shape=()) - 1
@@ -48,8 +47,6 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
         row = c * (L // BL) + sb
         xs = ct.load(x, (0, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (0, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
-        # The weights on x, not B, as in chunk_state.py.
-        xw = (xs.astype(ct.float32) * w[:, None]).astype(mma_dtype)
-        s = ct.mma(ct.transpose(xw), bs.astype(mma_dtype), s)
+        s = weighted_state_product(xs, bs, w, s)
 
     ct.store(varlen_states, (seq, h, pt, nt), s.reshape((1, 1, TP, TN)))
