@@ -52,6 +52,12 @@ VARIANTS = {
     "state BL128 occ 2": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
     "state BL256 occ 2": ({"chunk_state": {"BL": 256}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
     "state BL128 occ 4": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16"),
+    # the defaults, and chunk_state's occupancy hint again now that its dstate tile is 128 wide (v10)
+    "defaults": ({}, {}, True, "cb16", "states16"),
+    "state occ 2": ({}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
+    "state occ 3": ({}, {"chunk_state": {"occupancy": 3}}, True, "cb16", "states16"),
+    "state no occ": ({}, {"chunk_state": {}}, True, "cb16", "states16"),
+    "out occ 3 (defaults)": ({}, {"compute_out": {"occupancy": 3}}, True, "cb16", "states16"),
 }
 
 

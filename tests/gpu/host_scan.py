@@ -1,0 +1,85 @@
+"""Where the host's time goes in one public call, on a GPU, as a script:
+
+    python tests/gpu/host_scan.py [--shapes 4K:128,1K:128] [--chunk 256] [--rows 30]
+
+A call is host-bound when the Python that issues its kernels takes longer than the kernels themselves (the
+eager forward at T <= 4K, forward + backward at T <= 16K on an H200). For each shape (as backward_scan.py: B=1,
+H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states) this prints the host time per call of the
+forward and of forward + backward (wall time of many calls issued back to back, divided, against the device
+time of the same calls), then cProfile's functions by own time over 20 calls of forward + backward: cuTile's
+launch, PyTorch's operators and the custom-op machinery each appear under their own names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_cases import make_case, public_call  # noqa: E402
+
+from m2ops.bench.shapes import parse_sizes  # noqa: E402
+
+
+def host_and_device_us(fn, n=50):
+    """(host us, device us) per call of fn: host = wall time to issue n calls back to back (the queue never
+    drains when the host is the bottleneck), device = CUDA-event time of the same n calls over n."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) / n * 1e6
+    end.synchronize()
+    return host, start.elapsed_time(end) / n * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4K:128,1K:128")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    for spec in args.shapes.split(","):
+        t_s, n_s = spec.split(":")
+        case = make_case(seqlen=parse_sizes(t_s)[0], nheads=80, headdim=64, ngroups=1, dstate=int(n_s),
+                         dtype=torch.bfloat16, D="h", initial_states=True, chunk_size=args.chunk)
+        case["dt"] = case["dt"].float()
+        leaves = [case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")]
+        seeds = tuple(torch.randn_like(t) for t in public_call(case))
+
+        def forward():
+            with torch.no_grad():
+                return public_call(case)
+
+        def both():
+            return torch.autograd.grad(public_call(case), leaves, seeds)
+
+        for name, fn in (("forward", forward), ("forward+backward", both)):
+            host, dev = host_and_device_us(fn)
+            print(f"{spec} {name}: host {host:.0f} us per call, device {dev:.0f} us per call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            both()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(args.rows)
+        print(f"{spec} forward+backward, 20 calls under cProfile, by own time:")
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
