@@ -337,8 +337,15 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _stream_handle() -> int:
+    """The current CUDA stream's raw handle, from two C calls: torch.cuda.current_stream() builds a Stream
+    object through several Python frames, a measurable share of the host time of a call that launches 5-17
+    kernels (tests/gpu/host_scan.py). ct.launch takes the handle as an int."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 def _launch(grid, kernel, args):
-    ct.launch(torch.cuda.current_stream(), grid, index_width.for_args(kernel, args), args)
+    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args), args)
 
 
 # ---- the three ops ----

@@ -85,20 +85,20 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
         w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
         # x and the other op's gradient of x (added here rather than in a separate pass) are loaded before the
         # products so that their latency overlaps them: loaded after, the added read cost 0.4 ms at 64K/128
-        # for 0.16 ms of traffic (docs/performance-log.md v9).
+        # for 0.16 ms of traffic (docs/performance-log.md v9). Both stay in their storage dtype until used:
+        # widened early, they spilled registers at occupancy 4 (ncu, v11).
         xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         if has_base != 0:
-            base = ct.load(g_x_base, (b, row, h, pt), shape=(1, BL, 1, TP),
-                           padding_mode=_ZERO).reshape((BL, TP)).astype(ct.float32)
+            base = ct.load(g_x_base, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         else:
-            base = ct.zeros((BL, TP), dtype=ct.float32)
+            base = ct.zeros((BL, TP), dtype=g_x_base.dtype)
         m = ct.zeros((BL, TP), dtype=ct.float32)
         for nt in range(n_ntiles):
             bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
                          padding_mode=_ZERO).reshape((TP, TN))
             m = ct.mma(_op(bs, LOWP), _op(ct.transpose(gl), LOWP), m)
-        gx = m * w[:, None] + base
+        gx = m * w[:, None] + base.astype(ct.float32)
         ct.store(g_x, (b, row, h, pt), gx.astype(g_x.dtype).reshape((1, BL, 1, TP)))
         gw = ct.sum(xs.astype(ct.float32) * m, axis=1)
         ct.store(g_w_part, (b, h, pt, row), gw.reshape((1, 1, 1, BL)))

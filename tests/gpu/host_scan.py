@@ -5,9 +5,10 @@
 A call is host-bound when the Python that issues its kernels takes longer than the kernels themselves (the
 eager forward at T <= 4K, forward + backward at T <= 16K on an H200). For each shape (as backward_scan.py: B=1,
 H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states) this prints the host time per call of the
-forward and of forward + backward (wall time of many calls issued back to back, divided, against the device
-time of the same calls), then cProfile's functions by own time over 20 calls of forward + backward: cuTile's
-launch, PyTorch's operators and the custom-op machinery each appear under their own names.
+forward and of forward + backward (the wall time of issuing a few calls while the GPU sleeps, against the
+device time of the same calls run back to back afterwards), then cProfile's functions by own time over 20 calls
+of forward + backward: cuTile's launch, PyTorch's operators and the custom-op machinery each appear under their
+own names (cProfile inflates Python-heavy frames, and torch's dynamo-disable wrapper confuses its attribution).
 """
 
 from __future__ import annotations
@@ -28,20 +29,29 @@ from gpu_cases import make_case, public_call  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 
 
-def host_and_device_us(fn, n=50):
-    """(host us, device us) per call of fn: host = wall time to issue n calls back to back (the queue never
-    drains when the host is the bottleneck), device = CUDA-event time of the same n calls over n."""
+def host_and_device_us(fn, n=5, reps=7):
+    """(host us, device us) per call of fn, medians over reps rounds of n calls. Each round first queues a GPU
+    sleep longer than the host needs to issue the n calls, so the host's issue time (wall time of the n calls)
+    and the device's time (CUDA events around the n calls, which then run back to back) are measured apart."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    host = (time.perf_counter() - t0) / n * 1e6
-    end.synchronize()
-    return host, start.elapsed_time(end) / n * 1e3
+    fn()
+    torch.cuda.synchronize()
+    rough = time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host, dev = [], []
+    for _ in range(reps):
+        torch.cuda._sleep(int(2e9 * (2 * n * rough + 0.002)))  # cycles, at about 2 GHz
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host.append((time.perf_counter() - t0) / n * 1e6)
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end) / n * 1e3)
+    return sorted(host)[reps // 2], sorted(dev)[reps // 2]
 
 
 def main():
