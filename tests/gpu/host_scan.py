@@ -1,6 +1,6 @@
 """Where the host's time goes in one public call, on a GPU, as a script:
 
-    python tests/gpu/host_scan.py [--shapes 4K:128,1K:128] [--chunk 256] [--rows 30]
+    python tests/gpu/host_scan.py [--shapes 4K:128,1K:128] [--chunk 256] [--rows 30] [--spin SECONDS]
 
 A call is host-bound when the Python that issues its kernels takes longer than the kernels themselves (the
 eager forward at T <= 4K, forward + backward at T <= 16K on an H200). For each shape (as backward_scan.py: B=1,
@@ -9,6 +9,8 @@ forward and of forward + backward (the wall time of issuing a few calls while th
 device time of the same calls run back to back afterwards), then cProfile's functions by own time over 20 calls
 of forward + backward: cuTile's launch, PyTorch's operators and the custom-op machinery each appear under their
 own names (cProfile inflates Python-heavy frames, and torch's dynamo-disable wrapper confuses its attribution).
+--spin S then calls forward + backward for S seconds more, for a sampling profiler outside the process:
+    py-spy record -r 500 -f raw -o OUT/spy.txt -- python tests/gpu/host_scan.py --shapes 4K:128 --spin 15
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main():
     ap.add_argument("--shapes", default="4K:128,1K:128")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--spin", type=float, default=0.0, help="seconds of forward+backward calls at the end")
     args = ap.parse_args()
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
@@ -89,6 +92,9 @@ def main():
         stats.sort_stats("tottime").print_stats(args.rows)
         print(f"{spec} forward+backward, 20 calls under cProfile, by own time:")
         print(out.getvalue())
+        t_end = time.perf_counter() + args.spin
+        while time.perf_counter() < t_end:
+            both()
 
 
 if __name__ == "__main__":
