@@ -5,31 +5,37 @@ Blocks of BL tokens as in compute_out.py: row block m of chunk c (outputs l), co
 CB_mj from chunk_cb.py, decay_mj = exp(cs_l - cs_s) on the causal same-sequence mask, W = CB decay dt_s, and
 i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradients (chunked_backward.py):
 
-    dx_j   = sum_{m >= j} W_mj^T G_m  (+ D G_j; dD += G_j x_j)          out_bwd_dx_kernel      (column block,
+    A_j    = sum_{m >= j} (CB decay)_mj^T G_m;  dx_j = A_j dt_s (+ D G_j; dD += G_j x_j);
+           dt_s = rowsum(x_j A_j)_s                                     out_bwd_dx_kernel      (column block,
                                                                                                head, headdim tile)
     V_mj   = (G_m x_j^T) decay;  dCB_mj = sum over the group's heads of V dt_s;  with T = V CB:
-           dt_s += colsum(T);  cs_l += rowsum(T dt);  cs_s -= colsum(T dt)  out_bwd_dcbw_kernel   (row block,
+           cs_l += rowsum(T dt)                                         out_bwd_dcbw_kernel    (row block,
                                                                                                column block, group,
                                                                                                head split)
+           cs_s -= colsum(T dt) = dt_s times dt's gradient, from out_bwd_dx (each token's own term, which cancels
+           between the row and the column sums, left out of both)
     GS_m   = G_m S (per head);  dC_m = sum_j dCB_mj B_j + sum_r i_m GS_m;  cs_l += i_l rowsum(C_m GS_m);
            dB_j = sum_m dCB_mj^T C_m                                    out_bwd_dcdb_kernel    (row block, group,
                                                                                                dstate tile)
     dS_c   = sum_m (i_m G_m)^T C_m                                      out_bwd_dstates_kernel (chunk, head,
                                                                                                headdim, dstate tiles)
 
-G_m x_j^T is formed once per (pair of blocks, head) and serves dt, dA_cumsum and dCB; G_m S once per (block,
+dt's gradient is sum over l of T (the column sums), and sum_l T_ls = sum_p x_sp (sum_l (CB decay)_ls G_lp): the
+product of x with out_bwd_dx's accumulator before its factor dt_s, a (BL, TP) reduction per program there instead
+of a (BL, BL) column sum per pair and head in out_bwd_dcbw, the busiest kernel of the backward.
+
+G_m x_j^T is formed once per (pair of blocks, head) and serves dA_cumsum and dCB; G_m S once per (block,
 head) and serves dC and dA_cumsum. Below the diagonal block the decay factorises through a reference token p
 between the blocks (the last of block j): exp(cs_l - cs_s) = exp(cs_l - cs_p) exp(cs_p - cs_s), both factors
 <= 1 since cs falls, so those blocks need 2 BL exponentials instead of BL^2 (as in compute_out.py).
 
 Sums that several programs contribute to are written to zero-initialised buffers with one slot per writer and
-summed by the launcher: for dA_cumsum (b, h, L/BL, nchunks*L) — a token of block q gets its row part from
-pair (q, k) in slot k < q, its column part from pair (k, q) in slot k > q and both from the diagonal pair in
-slot q — and dt alike (slot m of pair (m, q)); dCB per head split; the inter-chunk part of dA_cumsum per
-dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) the products with G run in bfloat16: G x^T exactly
-as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or i-weighted operands (r CB, W,
-S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's products with B and C stay tf32 (dCB is
-float32). Without LOWP the products with G run in tf32.
+summed by the launcher: for dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a token of block q gets them from
+pair (q, k) in slot k <= q; the slots above q stay zero; dt per headdim tile; dCB per head split; the
+inter-chunk part of dA_cumsum per dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) the products with
+G run in bfloat16: G x^T exactly as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or
+i-weighted operands (r CB, CB decay, S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's
+products with B and C stay tf32 (dCB is float32). Without LOWP the products with G run in tf32.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _g_rows(G, b, row, h, pt, BL, TP, LOWP):
 
 @ct.kernel
 def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, x: Big, D, g_x: Big,
-                      g_D_part: Big,
+                      g_D_part: Big, g_dt_part: Big, g_cs_col_part: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, has_d: int,
                       L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
@@ -109,24 +115,33 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
         r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
         gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP, LOWP)
         acc = ct.mma(_op(ct.transpose(cbt * r[:, None]), LOWP), _op(gm, LOWP), acc)
-    acc = acc * (ct.exp(cs_p - cs_j) * dt_j)[:, None]
-    # The diagonal block, decay per element.
+    acc = acc * ct.exp(cs_p - cs_j)[:, None]
+    # The diagonal block, decay per element, below its diagonal first: dt's gradient without each token's own
+    # term is what dA_cumsum's column sums need (its own term cancels against its row sum in out_bwd_dcbw,
+    # which leaves it out as well, so that it cancels exactly, as in the reference).
     rows = ct.arange(BL, dtype=ct.int32)
-    keep = rows[:, None] >= rows[None, :]
+    below = rows[:, None] > rows[None, :]
     if HAS_SEQ:
-        keep = keep & (seq_j[:, None] == seq_j[None, :])
-    decay = diag_decay(cs_j, keep)
-    cbt = ct.load(cb, (b, c, g, j, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
-    w = cbt * decay * dt_j[None, :]
+        below = below & (seq_j[:, None] == seq_j[None, :])
     gj = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
-    acc = ct.mma(_op(ct.transpose(w), LOWP), _op(gj, LOWP), acc)
+    xj = ct.load(x, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+    cbt = ct.load(cb, (b, c, g, j, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
+    cb_ss = ct.sum(ct.where(rows[:, None] == rows[None, :], cbt, 0.0), axis=1)  # each token's own C.B
+    acc = ct.mma(_op(ct.transpose(cbt * diag_decay(cs_j, below)), LOWP), _op(gj, LOWP), acc)
+    # acc = sum_m (CB decay)_mj^T G_m without the diagonal, the gradient of x_j before the factor dt_s; its
+    # product with x_j is dt's gradient (T's column sums), so out_bwd_dcbw need not form them.
+    g_dt_below = ct.sum(xj.astype(ct.float32) * acc, axis=1)
+    ct.store(g_cs_col_part, (b, h, pt, rb), (0.0 - dt_j * g_dt_below).reshape((1, 1, 1, BL)))
+    # Each token's own term (decay 1): CB_ss G_s.
+    g_own = ct.sum(xj.astype(ct.float32) * gj.astype(ct.float32), axis=1)
+    ct.store(g_dt_part, (b, h, pt, rb), (g_dt_below + cb_ss * g_own).reshape((1, 1, 1, BL)))
+    acc = (acc + cb_ss[:, None] * gj.astype(ct.float32)) * dt_j[:, None]
     if has_d != 0:
         # The skip term here rather than in PyTorch: dx_j += D G_j, and this block's share of dD = sum G_j x_j.
-        gj = gj.astype(ct.float32)
         dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
-        acc = acc + gj * dv
-        xj = ct.load(x, (b, rb, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        ct.store(g_D_part, (b, rb, h, pt), ct.sum(gj * xj.astype(ct.float32), axis=0).reshape((1, 1, 1, TP)))
+        acc = acc + gj.astype(ct.float32) * dv
+        ct.store(g_D_part, (b, rb, h, pt),
+                 ct.sum(gj.astype(ct.float32) * xj.astype(ct.float32), axis=0).reshape((1, 1, 1, TP)))
     ct.store(g_x, (b, rb, h, pt), acc.astype(g_x.dtype).reshape((1, BL, 1, TP)))
 
 
@@ -142,7 +157,7 @@ def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
 
 @ct.kernel
 def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big,
-                        g_cb_part: Big, p_dt: Big, p_cs: Big,
+                        g_cb_part: Big, p_cs: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_split: int,
                         L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     # One program per (row block m, column block j, group, head split), j > m idle. A split's heads are
@@ -163,6 +178,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
         cbt = ct.load(cb, (b, c, g, m, j), shape=(1, 1, 1, BL, BL)).reshape((BL, BL))
         rows = ct.arange(BL, dtype=ct.int32)
         keep = (rows[:, None] + m * BL) >= (rows[None, :] + j * BL)
+        below = (rows[:, None] + m * BL) > (rows[None, :] + j * BL)
         if HAS_SEQ:
             keep = keep & (_seq_block(seq_idx, b, rb, BL)[:, None] == _seq_block(seq_idx, b, jrow, BL)[None, :])
         per = (heads_per_group + n_split - 1) // n_split
@@ -174,32 +190,25 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
                 v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * diag_decay(cs_m, keep)
-                t = v * cbt
-                ct.store(p_dt, (b, h, m, jrow), ct.sum(t, axis=0).reshape((1, 1, 1, BL)))
-                # Both sums of T dt from the same products, so that a token's own terms cancel exactly.
-                tw = t * dt_j[None, :]
-                ct.store(p_cs, (b, h, m, jrow), (ct.sum(tw, axis=1) - ct.sum(tw, axis=0)).reshape((1, 1, 1, BL)))
-                acc = acc + v * dt_j[None, :]
+                vd = v * dt_j[None, :]
+                # Without each token's own term, as out_bwd_dx leaves it out of the column sums.
+                ct.store(p_cs, (b, h, m, rb),
+                         ct.sum(ct.where(below, vd * cbt, 0.0), axis=1).reshape((1, 1, 1, BL)))
+                acc = acc + vd
         else:
-            # decay = r q^T (r_l = exp(cs_l - cs_p), q_s = exp(cs_p - cs_s)): with U = (G_m x_j^T) diag(r) and
-            # W2 = U CB, T = W2 diag(q), so colsum(T) = colsum(W2) q, rowsum(T dt) = W2 (q dt) and the
-            # dCB term V dt = U diag(q dt); the (BL, BL) work is four products and two sums.
+            # decay = r q^T (r_l = exp(cs_l - cs_p), q_s = exp(cs_p - cs_s)): with U = (G_m x_j^T) diag(r),
+            # rowsum(T dt) = (U CB) (q dt) and the dCB term V dt = U diag(q dt).
             p = j * BL + BL - 1
             for h in range(h0, h1):
                 cs_p = ct.load(dA_cumsum, (b, h, c, p), shape=())
                 r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
-                q = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL))
-                dt_j = _vec(dt_out, b, h, c, j, BL)
+                qd = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL)) * _vec(dt_out, b, h, c, j, BL)
                 u = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * r[:, None]
                 if HAS_SEQ:
                     u = ct.where(keep, u, 0.0)
-                w2 = u * cbt
-                cq = ct.sum(w2, axis=0) * q
-                qd = q * dt_j
-                ct.store(p_dt, (b, h, m, jrow), cq.reshape((1, 1, 1, BL)))
-                ct.store(p_cs, (b, h, j, rb), ct.sum(w2 * qd[None, :], axis=1).reshape((1, 1, 1, BL)))
-                ct.store(p_cs, (b, h, m, jrow), (0.0 - cq * dt_j).reshape((1, 1, 1, BL)))
-                acc = acc + u * qd[None, :]
+                ud = u * qd[None, :]
+                ct.store(p_cs, (b, h, j, rb), ct.sum(ud * cbt, axis=1).reshape((1, 1, 1, BL)))
+                acc = acc + ud
         ct.store(g_cb_part, (b, sp, c, g, m, j), acc.reshape((1, 1, 1, 1, BL, BL)))
 
 
