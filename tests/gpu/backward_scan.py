@@ -21,11 +21,9 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _kernel_times, _median_ms  # noqa: E402
-from gpu_cases import make_case, public_call, rel_err  # noqa: E402
+from gpu_cases import forward_and_backward, rel_err, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import launch, launch_bwd  # noqa: E402
@@ -56,21 +54,7 @@ def main():
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
         T, N = parse_sizes(t_s)[0], int(n_s)
-        case = make_case(seqlen=T, nheads=80, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
-                         initial_states=True, chunk_size=args.chunk)
-        case["dt"] = case["dt"].float()
-        leaves = {k: case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")}
-        y, final = public_call(case, return_final_states=True)
-        g_y, g_final = torch.randn_like(y), torch.randn_like(final)
-
-        def forward():
-            with torch.no_grad():
-                return public_call(case, return_final_states=True)
-
-        def both():
-            out_y, out_final = public_call(case, return_final_states=True)
-            return torch.autograd.grad((out_y, out_final), list(leaves.values()), (g_y, g_final))
-
+        forward, both = forward_and_backward(scan_case(T, N, args.chunk))
         first = None
         for occ in variants:
             launch.HINT_OVERRIDE.clear()

@@ -139,6 +139,31 @@ def public_call(case, return_final_states=True, return_varlen_states=False):
                                      return_varlen_states=return_varlen_states)
 
 
+def scan_case(seqlen, dstate, chunk_size, device="cuda"):
+    """The profiling scripts' case (profile_scan, variants_scan, backward_scan, host_scan, ncu_scan): B=1, H=80,
+    P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial states."""
+    case = make_case(seqlen=seqlen, nheads=80, headdim=64, ngroups=1, dstate=dstate, dtype=torch.bfloat16, D="h",
+                     initial_states=True, chunk_size=chunk_size, device=device)
+    case["dt"] = case["dt"].float()
+    return case
+
+
+def forward_and_backward(case):
+    """(forward, both) for a case: the public call (y and the final state) without autograd, and the public call
+    with the gradients of x, dt, A, B, C, D and the initial state against fixed random cotangents."""
+    leaves = [case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")]
+    seeds = tuple(torch.randn_like(t) for t in public_call(case, return_final_states=True))
+
+    def forward():
+        with torch.no_grad():
+            return public_call(case, return_final_states=True)
+
+    def both():
+        return torch.autograd.grad(public_call(case, return_final_states=True), leaves, seeds)
+
+    return forward, both
+
+
 def kernels_or_reason():
     """(m2ops.kernels, None) where the cuTile kernels run on the current GPU, else (None, why not)."""
     if not torch.cuda.is_available():

@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import forward_and_backward, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 
@@ -65,18 +65,7 @@ def main():
     args = ap.parse_args()
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
-        case = make_case(seqlen=parse_sizes(t_s)[0], nheads=80, headdim=64, ngroups=1, dstate=int(n_s),
-                         dtype=torch.bfloat16, D="h", initial_states=True, chunk_size=args.chunk)
-        case["dt"] = case["dt"].float()
-        leaves = [case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")]
-        seeds = tuple(torch.randn_like(t) for t in public_call(case))
-
-        def forward():
-            with torch.no_grad():
-                return public_call(case)
-
-        def both():
-            return torch.autograd.grad(public_call(case), leaves, seeds)
+        forward, both = forward_and_backward(scan_case(parse_sizes(t_s)[0], int(n_s), args.chunk))
 
         for name, fn in (("forward", forward), ("forward+backward", both)):
             host, dev = host_and_device_us(fn)

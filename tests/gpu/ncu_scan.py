@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import forward_and_backward, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 
@@ -30,21 +30,8 @@ def main():
     ap.add_argument("--backward", action="store_true", help="profile forward + backward")
     args = ap.parse_args()
     t_s, n_s = args.shape.split(":")
-    case = make_case(seqlen=parse_sizes(t_s)[0], nheads=80, headdim=64, ngroups=1, dstate=int(n_s),
-                     dtype=torch.bfloat16, D="h", initial_states=True, chunk_size=args.chunk)
-    case["dt"] = case["dt"].float()
-
-    def forward():
-        return public_call(case, return_final_states=True)
-
-    call = forward
-    if args.backward:
-        leaves = [case[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "initial_states")]
-        seeds = tuple(torch.randn_like(t) for t in forward())
-
-        def both():
-            return torch.autograd.grad(forward(), leaves, seeds)
-        call = both
+    forward, both = forward_and_backward(scan_case(parse_sizes(t_s)[0], int(n_s), args.chunk))
+    call = both if args.backward else forward
     for _ in range(3):
         call()
     torch.cuda.synchronize()

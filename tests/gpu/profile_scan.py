@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _kernel_times, _median_ms, KERNEL_NAMES  # noqa: E402
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import public_call, scan_case  # noqa: E402
 
 from m2ops import kernels  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
@@ -47,9 +47,7 @@ def main():
         t_s, n_s = spec.split(":")
         T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
         t0 = time.time()
-        case = make_case(seqlen=T, nheads=80, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
-                         initial_states=True, chunk_size=L)
-        case["dt"] = case["dt"].float()
+        case = scan_case(T, N, L)
         x, B, C, D, init = case["x"], case["B"], case["C"], case["D"], case["initial_states"]
         pub = lambda: public_call(case, return_final_states=True)  # noqa: E731
         dt_out, cs = kernels.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], L, True, 0.0, float("inf"))

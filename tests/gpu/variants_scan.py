@@ -17,11 +17,9 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _kernel_times, _median_ms  # noqa: E402
-from gpu_cases import make_case, public_call, rel_err  # noqa: E402
+from gpu_cases import public_call, rel_err, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import index_width, launch  # noqa: E402
@@ -73,9 +71,7 @@ def main():
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
         T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
-        case = make_case(seqlen=T, nheads=80, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
-                         initial_states=True, chunk_size=L)
-        case["dt"] = case["dt"].float()
+        case = scan_case(T, N, L)
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
         # errors are against the 64-bit-indexed kernels with float32 C . B^T and states
         index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = False, False, False
