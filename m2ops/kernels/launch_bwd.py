@@ -215,15 +215,15 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     kc = chunk_cb_constants(L)
     launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
-    # g_x; per headdim tile dt's gradient and the column parts of dA_cumsum's intra-chunk gradient (both zero
-    # past the last block the grid covers).
+    # g_x, and per headdim tile dx_sums[0] = dt's gradient, dx_sums[1] = the column parts of dA_cumsum's
+    # intra-chunk gradient (both zero past the last block the grid covers).
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
                 else _dummy(x, torch.float32, 4))
-    g_dt_part = torch.zeros((2, b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
+    dx_sums = torch.zeros((2, b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     launch._launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
-                   (G, dtk, csk, cb, seq, xk, launch._d_per_channel(D, h, p, x), g_x, g_D_part, g_dt_part[0],
-                    g_dt_part[1], T, h, h // g, n_ptiles, int(D is not None), *consts3))
+                   (G, dtk, csk, cb, seq, xk, launch._d_per_channel(D, h, p, x), g_x, g_D_part, dx_sums[0],
+                    dx_sums[1], T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
     # dCB and the row parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head); the slots
     # of p_cs that no pair writes stay zero.
@@ -247,7 +247,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     if D is not None:
         g_D = g_D_part.sum((0, 1))  # (h, p)
         g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
-    g_dt, g_cs_col = g_dt_part.sum(3)  # (b, h, nchunks * L) each
+    g_dt, g_cs_col = dx_sums.sum(3)  # (b, h, nchunks * L) each
     g_dt = g_dt.view(b, h, nchunks, L).to(dt_out.dtype)
     g_cs = p_cs.sum(2) + g_cs_col
     g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
