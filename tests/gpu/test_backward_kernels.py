@@ -115,7 +115,8 @@ GRAD_LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 def test_public_function_gradients(kw, D, z):
     """Every input's gradient through the ops' autograd on CUDA (the backward kernels) against the
     reference's autograd on the CPU in float32, from the same rounded inputs and cotangents. Tolerance: twice
-    the kernel-level one (the forward's own rounding enters the gradients of dt, A and dt_bias)."""
+    the kernel-level one (the forward's own rounding enters the gradients of dt, A and dt_bias); A's and
+    dt_bias's errors relative to the magnitude of the per-token terms they sum (per_head_sum_scales)."""
     from m2ops import mamba_chunk_scan_combined
     case = make_case(**kw, D=D, z=z)
     gen = torch.Generator().manual_seed(kw["seed"])
@@ -135,7 +136,40 @@ def test_public_function_gradients(kw, D, z):
     y_r, fin_r, leaves_r = run(cpu)
     torch.autograd.backward((y_r, fin_r), (g_y.to(y.dtype).float(), g_fin))
     tol = 2 * BWD_TOL[case["x"].dtype]
+    scales = per_head_sum_scales(run, cpu, (g_y.to(y.dtype).float(), g_fin), leaves_r)
     for name, leaf in leaves.items():
         got, want = leaf.grad, leaves_r[name].grad
         assert got is not None and got.shape == leaf.shape and got.dtype == leaf.dtype, name
-        assert rel_err(got.float().cpu(), want) <= tol, f"grad of {name}: {rel_err(got.float().cpu(), want):.3e}"
+        err = rel_err(got.float().cpu(), want)
+        if name in scales:  # per-head sums over every token: relative to their terms' magnitude
+            err = (got.float().cpu() - want).norm().item() / max(want.norm().item(), scales[name].norm().item())
+        assert err <= tol, f"grad of {name}: {err:.3e}"
+
+
+def per_head_sum_scales(run, cpu_case, cotangents, leaves_r):
+    """The scale against which the gradients of A and dt_bias are judged: per head, the sum of the absolute
+    values of the per-token terms they add up (dt times the reverse within-chunk cumsum of g_dA_cumsum for A,
+    dt's gradient for dt_bias). Where those terms cancel, the sum is far smaller than its terms, and a normwise
+    error within the kernel-level tolerance in g_dA_cumsum becomes a large relative error of the sum (a float32
+    case: 3e-4 in g_dA_cumsum, 9e-3 in A's gradient, alike on the H200 and the CPU emulator). The terms come
+    from the reference's own chunk_cumsum_bwd, captured on a second run of the reference."""
+    from m2ops.reference import chunked as ref
+    from m2ops.reference import chunked_backward as ref_bwd
+    exact, terms_A = ref_bwd.chunk_cumsum_bwd, []
+
+    def capture(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+        d, _ = ref.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        rev = g_dA_cumsum.float().flip(-1).cumsum(-1).flip(-1)
+        terms_A.append((rev * d.float()).abs().sum((0, 2, 3)))
+        return exact(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+
+    ref_bwd.chunk_cumsum_bwd = capture
+    try:
+        y, fin, _ = run(cpu_case)
+        torch.autograd.backward((y, fin), cotangents)
+    finally:
+        ref_bwd.chunk_cumsum_bwd = exact
+    scales = {"A": sum(terms_A)}
+    if "dt_bias" in leaves_r:
+        scales["dt_bias"] = leaves_r["dt"].grad.float().abs().sum((0, 1))
+    return scales
