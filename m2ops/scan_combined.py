@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import ops
+from .ops import eager
 from .meta.validate import check_inputs, check_values, seq_idx_from_cu_seqlens, should_check_values
 
 
@@ -45,6 +44,11 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
     dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
+
+    if not return_varlen_states and eager.applies(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+        y, final_states = eager.scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                              dt_softplus, dt_min, dt_max)
+        return (y, final_states) if return_final_states else y
 
     dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
     if return_varlen_states:

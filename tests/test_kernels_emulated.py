@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-from gpu_cases import TOL, make_case, reference_forward, rel_err  # noqa: E402
+from gpu_cases import TOL, make_case, per_head_sum_scales, reference_forward, rel_err  # noqa: E402
 from tile_emulator import emulated_kernels  # noqa: E402
 
 from m2ops.kernels import launch  # noqa: E402
@@ -306,6 +306,86 @@ def test_backward_kernels_with_mixed_input_dtypes():
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape and a.dtype == b.dtype, (fn, i, a.dtype, b.dtype)
             assert rel_err(a, b) <= BWD_TOL[torch.float16], f"{fn} output {i}: {rel_err(a, b):.3e}"
+
+
+EAGER_LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@pytest.mark.parametrize("opts", [
+    dict(dtype=torch.bfloat16, D="hp", z=True, initial_states=True, seqlen=150),
+    dict(dtype=torch.float16, D="h", seq_idx=True, nseqs=3, dt_limit=(0.002, 0.3), dt_softplus=False, seqlen=97),
+    dict(dtype=torch.float32, batch=2, dt_bias=False, z=True, seqlen=64),
+])
+def test_eager_path_matches_reference(opts):
+    """The public function's direct path (m2ops/ops/eager.py: the launchers from one autograd.Function, no
+    custom-op layers) on the emulator: y, the final states and every input's gradient against the reference's
+    autograd in float32. Tolerances: the forward's, and twice the backward kernels' (A's and dt_bias's relative
+    to their per-token terms, as tests/gpu/test_backward_kernels.py)."""
+    from m2ops import mamba_chunk_scan_combined
+    from m2ops.ops import eager
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=32, device="cpu", seed=11, **opts)
+    gen = torch.Generator().manual_seed(11)
+
+    leaves = {k: case[k].detach().requires_grad_() for k in EAGER_LEAVES if case[k] is not None}
+    args = {**case, **leaves}
+    with emulated_kernels():
+        y, fin = eager.scan_combined(args["x"], args["dt"], args["A"], args["B"], args["C"], case["chunk_size"],
+                                     args["D"], args["z"], args["dt_bias"], args["initial_states"], case["seq_idx"],
+                                     case["dt_softplus"], *map(float, case["dt_limit"]))
+        g_y, g_fin = torch.randn(y.shape, generator=gen).to(y.dtype), torch.randn(fin.shape, generator=gen)
+        torch.autograd.backward((y, fin), (g_y, g_fin))
+
+    cpu = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in case.items()}
+
+    def run(c):
+        lv = {k: c[k].detach().requires_grad_() for k in EAGER_LEAVES if c[k] is not None}
+        yr, finr = mamba_chunk_scan_combined(**{**c, **lv}, return_final_states=True)
+        return yr, finr, lv
+
+    y_r, fin_r, leaves_r = run(cpu)
+    cot = (g_y.float(), g_fin)
+    torch.autograd.backward((y_r, fin_r), cot)
+    dtype = case["x"].dtype
+    assert y.dtype == dtype and fin.dtype == torch.float32
+    assert rel_err(y, y_r) <= TOL["y"][dtype] and rel_err(fin, fin_r) <= TOL["states"][dtype]
+    scales = per_head_sum_scales(run, cpu, cot, leaves_r)
+    for name, leaf in leaves.items():
+        got, want = leaf.grad, leaves_r[name].grad
+        assert got is not None and got.dtype == leaf.dtype and got.shape == leaf.shape, name
+        err = rel_err(got, want)
+        if name in scales:
+            err = (got.float() - want).norm().item() / max(want.norm().item(), scales[name].norm().item(), 1e-30)
+        assert err <= 2 * BWD_TOL[dtype], f"grad of {name}: {err:.3e}"
+
+
+def test_eager_path_yields_to_compile_modes_and_subclasses():
+    """The direct path serves plain eager calls only: under a dispatch or function mode, a functorch
+    transform, the profiler, or for a tensor subclass, the custom ops must run (they are what those see)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from m2ops.ops import eager
+    x = torch.randn(2, 3)
+    assert eager.context_allows((x, None, torch.nn.Parameter(torch.randn(3))))
+    assert not eager.applies(x)  # a CPU tensor: the ops (reference) serve it
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    with Passthrough():
+        assert not eager.context_allows((x,))
+    with TorchFunctionMode():
+        assert not eager.context_allows((x,))
+    with torch.autograd.profiler.profile():
+        assert not eager.context_allows((x,))
+    assert not eager.context_allows((x, x.as_subclass(Sub)))
+    seen = []
+    torch.func.vmap(lambda t: seen.append(eager.context_allows((t,))) or t)(x)
+    assert seen == [False]
 
 
 @given(cases())

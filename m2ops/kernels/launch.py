@@ -139,7 +139,9 @@ _OCCUPANCY = {
     # out_bwd_dx at 4 since v11 moved its row scale onto C.B^T: 1.302 -> 1.185 ms at T=64K N=128 (3 -> 4; 2: 1.643),
     # and chunk_state_bwd_x kept at 4 once it stopped spilling (0.879; 3: 0.876, 2: 1.040), in one sweep of
     # tests/gpu/backward_scan.py --shapes 64K:128 --occupancy 2,3,4 (the other choices unchanged by it).
-    ("out_bwd_dx", "bfloat16", 64): 4,
+    # out_bwd_dx back at 3 since v13 added dt's gradient and dA_cumsum's column sums to it (more registers):
+    # 0.457 -> 0.392 ms at T=16K and 1.811 -> 1.543 at T=64K (4 -> 3; 2: 0.488 / 1.933), same sweep at 7e74629.
+    ("out_bwd_dx", "bfloat16", 64): 3,
     ("out_bwd_dcbw", "bfloat16", 64): 2,
     ("out_bwd_dcdb", "bfloat16", 64): 2,
     ("out_bwd_dstates", "bfloat16", 64): 4,

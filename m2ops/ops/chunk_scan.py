@@ -36,20 +36,33 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, g_y, g_final):
-    x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx = ctx.saved_tensors
+def backward_with(impl, saved, g_y, g_final):
+    """The gradients of chunk_scan's inputs from its saved inputs, through impl's fwd_pass_state,
+    compute_out_bwd and fwd_pass_state_bwd: this module's ops (the op's autograd) or the launchers themselves
+    (m2ops/ops/eager.py), the same composition either way."""
+    x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx = saved
     with torch.no_grad():
-        states, _, varlen = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
-    g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
-                                                                    D, z, seq_idx)
+        states, _, varlen = impl.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = impl.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
+                                                                         D, z, seq_idx)
     # The states just recomputed serve fwd_pass_state_bwd too (freed when the backward returns), and it adds
     # compute_out_bwd's g_x into its own where it writes it (one pass over a (T, H, P) array, not three).
-    g_x, g_B2, g_dt2, g_dA2, g_init = fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
-                                                         dt_out, dA_cumsum, initial_states, seq_idx, None, states,
-                                                         g_x)
+    g_x, g_B2, g_dt2, g_dA2, g_init = impl.fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
+                                                              dt_out, dA_cumsum, initial_states, seq_idx, None,
+                                                              states, g_x)
     return (g_x, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
             g_init if initial_states is not None else None,
             g_D if D is not None else None, g_z if z is not None else None, None)
+
+
+class _Ops:
+    fwd_pass_state = staticmethod(fwd_pass_state)
+    compute_out_bwd = staticmethod(compute_out_bwd)
+    fwd_pass_state_bwd = staticmethod(fwd_pass_state_bwd)
+
+
+def _backward(ctx, g_y, g_final):
+    return backward_with(_Ops, ctx.saved_tensors, g_y, g_final)
 
 
 chunk_scan.register_autograd(_backward, setup_context=_setup)

@@ -164,6 +164,35 @@ def forward_and_backward(case):
     return forward, both
 
 
+def per_head_sum_scales(run, cpu_case, cotangents, leaves_r):
+    """The scale against which the gradients of A and dt_bias are judged: per head, the sum of the absolute
+    values of the per-token terms they add up (dt times the reverse within-chunk cumsum of g_dA_cumsum for A,
+    dt's gradient for dt_bias). Where those terms cancel, the sum is far smaller than its terms, and a normwise
+    error within the kernel-level tolerance in g_dA_cumsum becomes a large relative error of the sum (a float32
+    case: 3e-4 in g_dA_cumsum, 9e-3 in A's gradient, alike on the H200 and the CPU emulator). The terms come
+    from the reference's own chunk_cumsum_bwd, captured on a second run of the reference."""
+    from m2ops.reference import chunked as ref
+    from m2ops.reference import chunked_backward as ref_bwd
+    exact, terms_A = ref_bwd.chunk_cumsum_bwd, []
+
+    def capture(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+        d, _ = ref.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        rev = g_dA_cumsum.float().flip(-1).cumsum(-1).flip(-1)
+        terms_A.append((rev * d.float()).abs().sum((0, 2, 3)))
+        return exact(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+
+    ref_bwd.chunk_cumsum_bwd = capture
+    try:
+        y, fin, _ = run(cpu_case)
+        torch.autograd.backward((y, fin), cotangents)
+    finally:
+        ref_bwd.chunk_cumsum_bwd = exact
+    scales = {"A": sum(terms_A)}
+    if "dt_bias" in leaves_r:
+        scales["dt_bias"] = leaves_r["dt"].grad.float().abs().sum((0, 1))
+    return scales
+
+
 def kernels_or_reason():
     """(m2ops.kernels, None) where the cuTile kernels run on the current GPU, else (None, why not)."""
     if not torch.cuda.is_available():
