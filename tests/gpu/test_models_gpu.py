@@ -157,7 +157,11 @@ def test_layer_compile_fullgraph_forward_backward_bf16(reset_dynamo):
         err_compiled = rel_err(compiled[k].float(), want)
         assert err_compiled <= 1.5 * err_eager + 5e-3, \
             f"{k}: compiled is {err_compiled:.3e} from float32, eager {err_eager:.3e}"
-        # gradients of the small per-head parameters (dt_bias, A_log: sums over every token) differ most
+        # The gradients of the per-head parameters (dt_bias, A_log) are sums over every token whose terms cancel:
+        # two bfloat16 runs that round the layer's other ops differently (inductor's fusions) differed by 7e-2
+        # normwise in dt_bias's on the H200, each passing the check above against the float32 layer.
+        if k in ("grad of dt_bias", "grad of A_log"):
+            continue
         assert_rel(compiled[k], eager[k], BF16_TOL if k == "output" else 1.5 * BF16_TOL, f"{k}, compiled vs eager")
 
 
