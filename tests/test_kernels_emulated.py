@@ -311,20 +311,30 @@ def test_backward_kernels_with_mixed_input_dtypes():
 EAGER_LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("opts", [
     dict(dtype=torch.bfloat16, D="hp", z=True, initial_states=True, seqlen=150),
+    dict(dtype=torch.bfloat16, seq_idx=True, nseqs=3, seqlen=200, batch=2),
     dict(dtype=torch.float16, D="h", seq_idx=True, nseqs=3, dt_limit=(0.002, 0.3), dt_softplus=False, seqlen=97),
     dict(dtype=torch.float32, batch=2, dt_bias=False, z=True, seqlen=64),
 ])
-def test_eager_path_matches_reference(opts):
+def test_eager_path_matches_reference(opts, split, monkeypatch):
     """The public function's direct path (m2ops/ops/eager.py: the launchers from one autograd.Function, no
     custom-op layers) on the emulator: y, the final states and every input's gradient against the reference's
-    autograd in float32. Tolerances: the forward's, and twice the backward kernels' (A's and dt_bias's relative
-    to their per-token terms, as tests/gpu/test_backward_kernels.py)."""
+    autograd in float32, through the fused scan and through the two-op path (whose bfloat16 entering states
+    the backward reuses for bfloat16 inputs instead of recomputing them). Tolerances: the forward's, and twice
+    the backward kernels' (A's and dt_bias's relative to their per-token terms, as
+    tests/gpu/test_backward_kernels.py)."""
     from m2ops import mamba_chunk_scan_combined
     from m2ops.ops import eager
-    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=32, device="cpu", seed=11, **opts)
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", not split)
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=11, **opts)
     gen = torch.Generator().manual_seed(11)
+    recomputes = []
+    real_fps = launch.fwd_pass_state
+    monkeypatch.setattr(launch, "fwd_pass_state", lambda *a, **k: recomputes.append(1) or real_fps(*a, **k))
+    from m2ops import kernels
+    monkeypatch.setattr(kernels, "fwd_pass_state", launch.fwd_pass_state)
 
     leaves = {k: case[k].detach().requires_grad_() for k in EAGER_LEAVES if case[k] is not None}
     args = {**case, **leaves}
@@ -333,7 +343,34 @@ def test_eager_path_matches_reference(opts):
                                      args["D"], args["z"], args["dt_bias"], args["initial_states"], case["seq_idx"],
                                      case["dt_softplus"], *map(float, case["dt_limit"]))
         g_y, g_fin = torch.randn(y.shape, generator=gen).to(y.dtype), torch.randn(fin.shape, generator=gen)
+        forward_calls = len(recomputes)
         torch.autograd.backward((y, fin), (g_y, g_fin))
+    # the backward recomputes the entering states unless the forward kept its bfloat16 copy
+    assert forward_calls == int(split)
+    kept = split and case["x"].dtype == torch.bfloat16
+    assert len(recomputes) - forward_calls == (0 if kept else 1)
+    if kept:
+        # Against the recompute: out_bwd_dcdb rounds float32 states to bfloat16 itself, so every gradient but
+        # those through the chunk-end carries (dt, A, dt_bias: <g_S, S> with S rounded) is the same bits.
+        monkeypatch.setattr(eager, "KEEP_STATES", False)
+        again = {k: case[k].detach().requires_grad_() for k in leaves}
+        a2 = {**case, **again}
+        with emulated_kernels():
+            y2, fin2 = eager.scan_combined(a2["x"], a2["dt"], a2["A"], a2["B"], a2["C"], case["chunk_size"], a2["D"],
+                                           a2["z"], a2["dt_bias"], a2["initial_states"], case["seq_idx"],
+                                           case["dt_softplus"], *map(float, case["dt_limit"]))
+            torch.autograd.backward((y2, fin2), (g_y, g_fin))
+        assert torch.equal(y, y2) and torch.equal(fin, fin2)
+        for name in leaves:
+            if name in ("dt", "A", "dt_bias"):
+                assert rel_err(leaves[name].grad, again[name].grad) <= 2e-3, name
+            else:
+                assert torch.equal(leaves[name].grad, again[name].grad), name
+    with torch.no_grad(), emulated_kernels():  # no gradient wanted: nothing kept, y the same
+        y3, fin3 = eager.scan_combined(args["x"], args["dt"], args["A"], args["B"], args["C"], case["chunk_size"],
+                                       args["D"], args["z"], args["dt_bias"], args["initial_states"],
+                                       case["seq_idx"], case["dt_softplus"], *map(float, case["dt_limit"]))
+    assert torch.equal(y3, y) and torch.equal(fin3, fin)
 
     cpu = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in case.items()}
 
@@ -358,9 +395,25 @@ def test_eager_path_matches_reference(opts):
         assert err <= 2 * BWD_TOL[dtype], f"grad of {name}: {err:.3e}"
 
 
+def test_eager_path_names_its_steps_in_the_profiler():
+    """Under the profiler the direct path runs each launcher inside a record_function of its op's name, so a
+    trace shows the same m2ops:: steps as through the custom ops (forward and backward)."""
+    from m2ops.ops import eager
+    case = make_case(nheads=2, headdim=16, dstate=16, chunk_size=64, seqlen=80, device="cpu", seed=1)
+    leaves = {k: case[k].detach().requires_grad_() for k in ("x", "dt", "A", "B", "C")}
+    a = {**case, **leaves}
+    with torch.profiler.profile() as prof, emulated_kernels():
+        y, fin = eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 64, None, None, a["dt_bias"], None,
+                                     None, case["dt_softplus"], *map(float, case["dt_limit"]))
+        (y.float().sum() + fin.sum()).backward()
+    names = {e.name for e in prof.events() if e.name.startswith("m2ops::")}
+    assert {"m2ops::chunk_cumsum", "m2ops::chunk_scan", "m2ops::compute_out_bwd", "m2ops::fwd_pass_state_bwd",
+            "m2ops::chunk_cumsum_bwd"} <= names, names
+
+
 def test_eager_path_yields_to_compile_modes_and_subclasses():
     """The direct path serves plain eager calls only: under a dispatch or function mode, a functorch
-    transform, the profiler, or for a tensor subclass, the custom ops must run (they are what those see)."""
+    transform, or for a tensor subclass, the custom ops must run (they are what those see)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -380,8 +433,8 @@ def test_eager_path_yields_to_compile_modes_and_subclasses():
         assert not eager.context_allows((x,))
     with TorchFunctionMode():
         assert not eager.context_allows((x,))
-    with torch.autograd.profiler.profile():
-        assert not eager.context_allows((x,))
+    with torch.autograd.profiler.profile():  # the direct path names its steps itself (next test)
+        assert eager.context_allows((x,))
     assert not eager.context_allows((x, x.as_subclass(Sub)))
     seen = []
     torch.func.vmap(lambda t: seen.append(eager.context_allows((t,))) or t)(x)

@@ -545,15 +545,18 @@ def median_ms(fn, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states=False):
     """y and the final state, through the fused kernels of segments.py or through the fwd_pass_state and
     compute_out kernels (same results up to rounding): the tuned choice for this shape class when the tuning
     cache has one (m2ops.kernels.autotune; a first eager call on a GPU searches, within its budget), else the
-    launcher's default (use_segments)."""
+    launcher's default (use_segments). keep_states: also return the states entering every chunk where the
+    two-op path wrote them in bfloat16 for compute_out (else None), for a backward to reuse
+    (m2ops/ops/eager.py)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
-        return ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+        out = ref.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+        return (*out, None) if keep_states else out
     b, T, h, p = x.shape
     n = B.shape[3]
     default, candidates = chunk_scan_configs(b, T, h, p, n, L, x.device)
@@ -564,7 +567,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
         config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
                                  candidates, lambda cfg: median_ms(run(cfg)), can_search=_can_search(),
                                  device_index=x.device.index or 0)
-    return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
+    return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states)
 
 
 # Sub-chunk sizes chunk_scan's tuning tries for the two-op path (more, shorter programs: short sequences).
@@ -585,15 +588,22 @@ def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
     return dt, cs
 
 
-def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
-    if config.get("chunk", dt_out.shape[-1]) != dt_out.shape[-1]:
+def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
+                     keep_states=False):
+    L0 = dt_out.shape[-1]
+    if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
     if config["path"] == "split":
         bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
                                                  entering_dtype=torch.bfloat16 if bf16 else None)
-        return compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx), final_states
+        y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+        if keep_states:
+            # Only the bfloat16 copy at the caller's chunk size: a float32 one is what a recompute replaces.
+            kept = states if (states.dtype == torch.bfloat16 and dt_out.shape[-1] == L0) else None
+            return y, final_states, kept
+        return y, final_states
     L = dt_out.shape[-1]
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -641,7 +651,8 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     _launch(grid, hinted_kernel("segment_out", _dtype_name(mma_dtype), L),
             (xk, dtk, csk, Ck, Bk, seq, seg_states, Dk, zk, y, *dims, int(D is not None), int(z is not None),
              *consts))
-    return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return (y, final_states, None) if keep_states else (y, final_states)
 
 
 # ---- decode ----

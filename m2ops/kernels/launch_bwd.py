@@ -92,7 +92,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     if states is None:
         states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
     else:
-        states = _as(states, torch.float32).contiguous()
+        # float32, or the forward's bfloat16 copy (m2ops/ops/eager.py), which state_passing_bwd widens on load
+        states = (states if states.dtype == torch.bfloat16 else _as(states, torch.float32)).contiguous()
     pn = p * n
     blk = state_passing_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
@@ -179,7 +180,10 @@ def dcbw_split(pairs: int, heads_per_group: int, device) -> int:
     return cdiv(heads_per_group, cdiv(heads_per_group, want))
 
 
-def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
+def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_states_dtype=None):
+    """The compute_out op's backward. states: float32, or bfloat16 with bfloat16 activations (the forward's own
+    copy, m2ops/ops/eager.py), read as is: out_bwd_dcdb rounds them to bfloat16 for its product then anyway.
+    g_states_dtype: the dtype of the states' gradient (default: the states' own)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum, states, g_y) or dt_out.dtype == torch.float64
             or g_y.dtype == torch.float64 or not supported_chunk_size(L)):
@@ -191,9 +195,9 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     mma_dtype = _common_dtype(x, B, C, z)
     xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
     dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
-    sk = _as(states, torch.float32)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     k = compute_out_bwd_constants(L, seq_idx is not None, launch._dtype_name(mma_dtype))
+    sk = states if (states.dtype == torch.bfloat16 and k["LOWP"]) else _as(states, torch.float32)
     BL, nb = k["BL"], L // k["BL"]
     n_rblocks = cdiv(T, BL)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
@@ -253,5 +257,6 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
     g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
-    return (_as(g_x, x.dtype), g_dt, g_cs, _as(g_C, C.dtype), _as(g_B, B.dtype), g_S.to(states.dtype),
+    g_S = g_S.to(g_states_dtype or states.dtype)
+    return (_as(g_x, x.dtype), g_dt, g_cs, _as(g_C, C.dtype), _as(g_B, B.dtype), g_S,
             g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))

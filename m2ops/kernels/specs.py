@@ -171,7 +171,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(F32, 4), _a(F32, 4), _a(dt, 3), _a(F32, 1), _a(F32, 1), _a(dt, 3), _a(F32, 3), _a(F32, 3),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     if kernel_name == "state_passing_bwd":
-        return (_a(F32, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 4), _a(F32, 4),
+        return (_a(state_dtype, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 4), _a(F32, 4),
                 _a(F32, 3), _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_x":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
@@ -186,7 +186,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 6), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcdb":
-        return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(F32, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
+        return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(state_dtype, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dstates":
         return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _INT, _INT, _INT, _INT, _INT, _INT)
@@ -261,6 +261,10 @@ def all_specs() -> list[Spec]:
                 extra = (("G", gd),) if gd != F32 else ()
                 for name in ("out_bwd_dcdb", "out_bwd_dstates"):
                     out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
+                # out_bwd_dcdb also reads the forward's bfloat16 entering states (m2ops/ops/eager.py).
+                for sd in sorted(set(launch.entering_dtype_names(dt)) - {F32}):
+                    out.append(Spec("out_bwd_dcdb", dt, k4, _params("out_bwd_dcdb", dt, g_dtype=gd, state_dtype=sd),
+                                    _hints("out_bwd_dcdb", dt, L), dtypes=extra + (("states", sd),)))
                 for name in ("out_bwd_dcbw", "out_bwd_dx"):
                     out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
     g_locals = sorted({launch_bwd.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
@@ -270,6 +274,13 @@ def all_specs() -> list[Spec]:
                 out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
                                 _params("state_passing_bwd", F32, g_local_dtype=gl),
                                 dtypes=(("g_local", gl),) if gl != F32 else ()))
+            # the forward's bfloat16 entering states, with bfloat16 activations' glocal (m2ops/ops/eager.py)
+            for dt in INPUT_DTYPES:
+                for sd in sorted(set(launch.entering_dtype_names(dt)) - {F32}):
+                    gl = launch_bwd.g_local_dtype_name(dt)
+                    out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
+                                    _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd),
+                                    dtypes=(("g_local", gl), ("states", sd))))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):

@@ -46,7 +46,8 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         c = nchunks - 1 - i
         s_c, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1)
         ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
-        ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c).reshape((1, 1, 1, 1)))
+        # s_c float32, or bfloat16 where the forward's own copy is reused (launch_bwd.fwd_pass_state_bwd)
+        ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c.astype(ct.float32)).reshape((1, 1, 1, 1)))
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         g = gst + carry * g
     ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))

@@ -5,14 +5,19 @@ Each custom-op call goes through the dispatcher, the op's autograd wrapper and a
 it reaches its launcher; for the five to seven op calls of a forward+backward that layering costs about as
 much host time as the launches themselves (on the CPU with the launches stubbed, T=512: 1.64 ms through the
 ops, 0.78 ms calling the launchers), and at T <= 16K the H200 waits on the host. The launchers, their order
-and the backward's composition (chunk_scan.backward_with) are the ops' own, so results are the same bits.
+and the backward's composition (chunk_scan.backward_with) are the ops' own, so results are the same bits but
+for one difference (KEEP_STATES below): where the forward wrote bfloat16 entering states, the backward reuses
+them instead of recomputing them in float32, which moves the gradients of dt, A and dt_bias by their rounding.
 
 The ops stay what everything else sees: torch.compile (it traces the ops), dispatch and function modes,
-functorch transforms, tensor subclasses, the profiler (its trace names the m2ops:: ops), and devices where
-the kernels do not run (the ops' reference fallback).
+functorch transforms, tensor subclasses, and devices where the kernels do not run (the ops' reference
+fallback). Under the profiler each launcher runs inside a record_function of its op's name (m2ops::chunk_scan,
+m2ops::compute_out_bwd, ...), so a trace names the same steps either way.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -20,6 +25,14 @@ from . import dispatch
 from .chunk_scan import backward_with
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# Where the forward's two-op path writes the states entering every chunk in bfloat16 (for compute_out's
+# bfloat16 product), keep them for the backward instead of recomputing them there in float32 (chunk_state and
+# state_passing again: 0.82 of 10.4 ms at 64K tokens, 80 heads, dstate 128 on an H200). The cost: that tensor,
+# (batch, chunks, heads, headdim, dstate) in bfloat16, stays alive until the backward (2 * heads * headdim *
+# dstate / chunk_size bytes per token: 5 KB at 80 x 64 x 128, chunk 256). M2OPS_RECOMPUTE_STATES=1 keeps the
+# recompute (and the memory).
+KEEP_STATES = os.environ.get("M2OPS_RECOMPUTE_STATES", "0") in ("", "0")
 
 
 def applies(*tensors) -> bool:
@@ -30,29 +43,54 @@ def applies(*tensors) -> bool:
 def context_allows(tensors) -> bool:
     """No compile, mode, transform, profiler or tensor subclass that must see the ops."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()
-            or torch.autograd._profiler_enabled()):
+            or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
     return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def _launcher(name: str):
+    """m2ops.kernels.<name>, inside a record_function named like its op while a profiler runs."""
+    def call(*args, **kwargs):
+        from .. import kernels
+        fn = getattr(kernels, name)
+        if torch.autograd._profiler_enabled():
+            with torch.autograd.profiler.record_function(f"m2ops::{name}"):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+class _Launchers:
+    chunk_cumsum = staticmethod(_launcher("chunk_cumsum"))
+    chunk_scan = staticmethod(_launcher("chunk_scan"))
+    fwd_pass_state = staticmethod(_launcher("fwd_pass_state"))
+    compute_out_bwd = staticmethod(_launcher("compute_out_bwd"))
+    fwd_pass_state_bwd = staticmethod(_launcher("fwd_pass_state_bwd"))
+    chunk_cumsum_bwd = staticmethod(_launcher("chunk_cumsum_bwd"))
 
 
 class _ScanCombined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size, dt_softplus, dt_min,
                 dt_max):
-        from .. import kernels
-        dt_out, dA_cumsum = kernels.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-        y, final_states = kernels.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
-        ctx.save_for_backward(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, dt, A, dt_bias)
+        dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        if KEEP_STATES and any(ctx.needs_input_grad):
+            y, final_states, states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
+                                                         keep_states=True)
+        else:
+            (y, final_states), states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z,
+                                                           seq_idx), None
+        ctx.save_for_backward(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, dt, A, dt_bias, states)
         ctx.params = (chunk_size, dt_softplus, dt_min, dt_max)
         return y, final_states
 
     @staticmethod
     def backward(ctx, g_y, g_final):
-        from .. import kernels
-        *saved, dt, A, dt_bias = ctx.saved_tensors
-        g_x, g_dt_out, g_dA_cumsum, g_B, g_C, g_init, g_D, g_z, _ = backward_with(kernels, saved, g_y, g_final)
-        g_dt, g_A, g_bias = kernels.chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, *ctx.params)
+        *saved, dt, A, dt_bias, states = ctx.saved_tensors
+        g_x, g_dt_out, g_dA_cumsum, g_B, g_C, g_init, g_D, g_z, _ = backward_with(_Launchers, saved, g_y, g_final,
+                                                                                 states)
+        g_dt, g_A, g_bias = _Launchers.chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, *ctx.params)
         return (g_x, g_dt, g_A, g_B, g_C, g_D, g_z, g_bias if dt_bias is not None else None, g_init,
                 None, None, None, None, None)
 

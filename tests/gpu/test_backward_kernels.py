@@ -151,8 +151,10 @@ def test_public_function_gradients(kw, D, z):
     dict(dtype=torch.float32, batch=2, seq_idx=True, nseqs=3, dt_limit=(0.002, 0.3), seqlen=300, chunk_size=64),
 ])
 def test_eager_path_is_the_ops_path(monkeypatch, opts):
-    """The public function's direct eager path (m2ops/ops/eager.py) and the custom ops give the same bits:
-    y, final states and every gradient, since both run the same launchers in the same order."""
+    """The public function's direct eager path (m2ops/ops/eager.py) and the custom ops give the same bits: y,
+    final states and every gradient, since both run the same launchers in the same order; except where the
+    forward's two-op path kept its bfloat16 entering states for the backward: then the gradients through the
+    chunk-end carries (dt, A, dt_bias) differ by the states' rounding, the others are still the same bits."""
     from m2ops import mamba_chunk_scan_combined
     from m2ops.ops import eager
     case = make_case(nheads=8, ngroups=2, headdim=64, dstate=128, seed=3, **opts)
@@ -163,7 +165,7 @@ def test_eager_path_is_the_ops_path(monkeypatch, opts):
         leaves = {k: case[k].detach().requires_grad_() for k in GRAD_LEAVES if case[k] is not None}
         y, fin = mamba_chunk_scan_combined(**{**case, **leaves}, return_final_states=True)
         torch.autograd.backward((y, fin), (g_y, g_fin))
-        return [y, fin] + [leaves[k].grad for k in sorted(leaves)]
+        return {"y": y, "final": fin, **{k: leaves[k].grad for k in leaves}}
 
     y0, fin0 = mamba_chunk_scan_combined(**case, return_final_states=True)
     g_y = torch.randn(y0.shape, generator=gen).to(y0.device, y0.dtype)
@@ -175,5 +177,8 @@ def test_eager_path_is_the_ops_path(monkeypatch, opts):
     monkeypatch.setattr(eager, "applies", lambda *t: False)
     through_ops = run()
     assert len(calls) == 1
-    for a, b in zip(direct, through_ops):
-        assert torch.equal(a, b)
+    for name in direct:
+        if name in ("dt", "A", "dt_bias"):
+            assert rel_err(direct[name], through_ops[name]) <= 2e-3, name
+        else:
+            assert torch.equal(direct[name], through_ops[name]), name
