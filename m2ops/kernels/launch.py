@@ -21,6 +21,7 @@ one copy of a small or rare tensor:
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -531,12 +532,28 @@ def _can_search() -> bool:
     return not torch.compiler.is_compiling()
 
 
+# Cycles per second the GPU sleep below is sized with: at least the clock of the GPUs m2ops is tuned on
+# (H200: 1.98 GHz), so that the sleep outlasts the host's issue time.
+_SLEEP_CLOCK_HZ = 2.0e9
+
+
 def median_ms(fn, reps: int = 5) -> float:
-    """Median device time of fn in ms over reps calls after one warm-up call (CUDA events; synchronises)."""
+    """Median device time of fn in ms over reps calls after one warm-up call (CUDA events; synchronises).
+
+    Each timed call is queued behind a GPU sleep longer than the host takes to issue it, so the events measure
+    the kernels back to back, not the host: at short sequences (T=1K) an eager call is host-bound, and timing it
+    unqueued ranked the candidates by host noise, while a CUDA graph replays whichever was chosen."""
     fn()  # warm-up (and first compile)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    cycles = int((2 * host_s + 50e-6) * _SLEEP_CLOCK_HZ)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
+        torch.cuda._sleep(cycles)
         start.record()
         fn()
         end.record()

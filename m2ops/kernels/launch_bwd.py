@@ -187,7 +187,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum, states, g_y) or dt_out.dtype == torch.float64
             or g_y.dtype == torch.float64 or not supported_chunk_size(L)):
-        return ref_bwd.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+        out = ref_bwd.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
+        return out if g_states_dtype is None else (*out[:5], out[5].to(g_states_dtype), *out[6:])
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nchunks = dt_out.shape[2]
