@@ -336,12 +336,16 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
     from m2ops import kernels
     monkeypatch.setattr(kernels, "fwd_pass_state", launch.fwd_pass_state)
 
+    def direct(a):
+        with emulated_kernels():
+            return eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], case["chunk_size"], a["D"], a["z"],
+                                       a["dt_bias"], a["initial_states"], case["seq_idx"], case["dt_softplus"],
+                                       *map(float, case["dt_limit"]))
+
     leaves = {k: case[k].detach().requires_grad_() for k in EAGER_LEAVES if case[k] is not None}
     args = {**case, **leaves}
+    y, fin = direct(args)
     with emulated_kernels():
-        y, fin = eager.scan_combined(args["x"], args["dt"], args["A"], args["B"], args["C"], case["chunk_size"],
-                                     args["D"], args["z"], args["dt_bias"], args["initial_states"], case["seq_idx"],
-                                     case["dt_softplus"], *map(float, case["dt_limit"]))
         g_y, g_fin = torch.randn(y.shape, generator=gen).to(y.dtype), torch.randn(fin.shape, generator=gen)
         forward_calls = len(recomputes)
         torch.autograd.backward((y, fin), (g_y, g_fin))
@@ -354,11 +358,8 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
         # those through the chunk-end carries (dt, A, dt_bias: <g_S, S> with S rounded) is the same bits.
         monkeypatch.setattr(eager, "KEEP_STATES", False)
         again = {k: case[k].detach().requires_grad_() for k in leaves}
-        a2 = {**case, **again}
+        y2, fin2 = direct({**case, **again})
         with emulated_kernels():
-            y2, fin2 = eager.scan_combined(a2["x"], a2["dt"], a2["A"], a2["B"], a2["C"], case["chunk_size"], a2["D"],
-                                           a2["z"], a2["dt_bias"], a2["initial_states"], case["seq_idx"],
-                                           case["dt_softplus"], *map(float, case["dt_limit"]))
             torch.autograd.backward((y2, fin2), (g_y, g_fin))
         assert torch.equal(y, y2) and torch.equal(fin, fin2)
         for name in leaves:
@@ -366,10 +367,8 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
                 assert rel_err(leaves[name].grad, again[name].grad) <= 2e-3, name
             else:
                 assert torch.equal(leaves[name].grad, again[name].grad), name
-    with torch.no_grad(), emulated_kernels():  # no gradient wanted: nothing kept, y the same
-        y3, fin3 = eager.scan_combined(args["x"], args["dt"], args["A"], args["B"], args["C"], case["chunk_size"],
-                                       args["D"], args["z"], args["dt_bias"], args["initial_states"],
-                                       case["seq_idx"], case["dt_softplus"], *map(float, case["dt_limit"]))
+    with torch.no_grad():  # no gradient wanted: nothing kept, y the same
+        y3, fin3 = direct(args)
     assert torch.equal(y3, y) and torch.equal(fin3, fin)
 
     cpu = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in case.items()}
