@@ -45,12 +45,12 @@ def backward_with(impl, saved, g_y, g_final, states=None):
     if states is None:
         with torch.no_grad():
             states, _, varlen = impl.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
-        g_states_dtype = {}
+        out_bwd_kwargs = {}
     else:
         varlen = g_final.new_empty((0, *g_final.shape[1:]))
-        g_states_dtype = {"g_states_dtype": torch.float32}  # the recurrence's gradient stays float32
+        out_bwd_kwargs = {"g_states_dtype": torch.float32}  # the recurrence's gradient stays float32
     g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = impl.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
-                                                                         D, z, seq_idx, **g_states_dtype)
+                                                                         D, z, seq_idx, **out_bwd_kwargs)
     # The states serve fwd_pass_state_bwd too (freed when the backward returns), and it adds compute_out_bwd's
     # g_x into its own where it writes it (one pass over a (T, H, P) array, not three).
     g_x, g_B2, g_dt2, g_dA2, g_init = impl.fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,

@@ -75,12 +75,10 @@ class _ScanCombined(torch.autograd.Function):
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size, dt_softplus, dt_min,
                 dt_max):
         dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-        if KEEP_STATES and any(ctx.needs_input_grad):
-            y, final_states, states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
-                                                         keep_states=True)
-        else:
-            (y, final_states), states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z,
-                                                           seq_idx), None
+        y, final_states, states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
+                                                        keep_states=True)
+        if not (KEEP_STATES and any(ctx.needs_input_grad)):
+            states = None  # written for compute_out anyway; only not kept
         ctx.save_for_backward(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, dt, A, dt_bias, states)
         ctx.params = (chunk_size, dt_softplus, dt_min, dt_max)
         return y, final_states

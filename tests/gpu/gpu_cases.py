@@ -193,6 +193,13 @@ def per_head_sum_scales(run, cpu_case, cotangents, leaves_r):
     return scales
 
 
+def per_head_sum_err(got, want, scale) -> float:
+    """Normwise error of a per-head sum (A's or dt_bias's gradient) relative to the larger of the sum and the
+    magnitude of its terms (per_head_sum_scales); 0 when both are zero and got is too."""
+    err = (got.detach().float().cpu() - want.detach().float().cpu()).norm().item()
+    return err / max(want.norm().item(), scale.norm().item(), 1e-30)
+
+
 def kernels_or_reason():
     """(m2ops.kernels, None) where the cuTile kernels run on the current GPU, else (None, why not)."""
     if not torch.cuda.is_available():
