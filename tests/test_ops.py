@@ -3,6 +3,10 @@ function (torch.autograd.gradcheck in float64)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -344,3 +348,15 @@ def test_chunk_scan_is_the_two_ops(case):
     want = torch.autograd.grad((y2 * gy).sum() + (final2 * gf).sum(), leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("value, keep", [(None, True), ("0", True), ("", True), ("1", False)])
+def test_recompute_states_environment_variable(value, keep):
+    """M2OPS_RECOMPUTE_STATES=1 turns off keeping the forward's bfloat16 states for the backward (read at
+    import, in a fresh interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "M2OPS_RECOMPUTE_STATES"}
+    if value is not None:
+        env["M2OPS_RECOMPUTE_STATES"] = value
+    out = subprocess.run([sys.executable, "-c", "from m2ops.ops import eager; print(eager.KEEP_STATES)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(keep)
