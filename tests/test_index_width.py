@@ -56,12 +56,14 @@ def test_launch_takes_the_twin_only_when_enabled_and_fitting(monkeypatch, enable
 
     class Stub:
         @staticmethod
-        def launch(stream, grid, kernel, args):
+        def launch(stream, grid, kernel, args, programmatic_dependent_launch):
             assert stream == 1234  # the handle _stream_handle gives, passed through
+            assert programmatic_dependent_launch == "pdl"  # _pdl's answer, passed through
             launched.append(kernel)
 
     monkeypatch.setattr(launch, "ct", Stub)
     monkeypatch.setattr(launch, "_stream_handle", lambda: 1234)
+    monkeypatch.setattr(launch, "_pdl", lambda kernel: "pdl")
     monkeypatch.setattr(index_width, "NARROW_INDEX", enabled)
     k = launch.chunk_cumsum_kernel
     launch._launch((1, 1, 1), k, (_meta(8, 8), 3))

@@ -545,6 +545,24 @@ def test_wider_dstate_tiles(monkeypatch, dstate):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
+@pytest.mark.parametrize("heads,ngroups,hb,seq_idx", [(4, 2, 2, True), (8, 1, 4, False), (6, 2, 2, False),
+                                                     (6, 3, 4, False)])
+def test_chunk_state_heads_per_program(monkeypatch, heads, ngroups, hb, seq_idx):
+    """chunk_state with HB heads per program (a tests/gpu/variants_scan.py experiment): the local states
+    and the final state as with one head per program; where HB does not divide a group's heads (6 heads in
+    3 groups, HB 4) the launcher falls back to one."""
+    case = _bf16_case(chunk_size=64, batch=2, seqlen=150, nheads=heads, ngroups=ngroups, headdim=16, dstate=32,
+                      initial_states=True, seq_idx=seq_idx, nseqs=2, seed=heads + hb)
+    _, fin_ref, _, mid = reference_forward(case)
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"HB": hb, "TP": 16, "TN": 32}})
+    monkeypatch.setattr(launch, "STATES_IN_BF16", False)
+    with emulated_kernels():
+        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                            case["initial_states"], case["seq_idx"], None)
+    _check(st_, mid["states"], "states", torch.bfloat16, "states")
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
+
+
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     """STATES_IN_BF16 (the default): state_passing writes the entering states to a separate bfloat16 array

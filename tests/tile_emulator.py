@@ -107,6 +107,15 @@ class _Emu:
             src.append(slice(lo - o, hi - o))
         array[tuple(dst)] = tile[tuple(src)].to(array.dtype)
 
+    # Programmatic dependent launch: programs run one launch at a time here, so both are no-ops.
+    @staticmethod
+    def grid_dependency_control_wait():
+        pass
+
+    @staticmethod
+    def grid_dependency_control_launch_dependents():
+        pass
+
     # ---- tiles ----
     @staticmethod
     def zeros(shape, dtype):

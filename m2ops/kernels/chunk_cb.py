@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt
+from .common import Big, ConstInt, dependent_launch_prologue
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -30,6 +30,7 @@ _ZERO = ct.PaddingMode.ZERO
 def chunk_cb_kernel(C: Big, B: Big, cb: Big,
                     dstate: int,
                     L: ConstInt, BL: ConstInt, TN: ConstInt):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     g = ct.bid(1)
     b = ct.bid(2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt
+from .common import Big, ConstInt, dependent_launch_prologue
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -46,6 +46,7 @@ def chunk_cumsum_kernel(dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big,
                         seqlen: int, n_hblocks: int, has_bias: int, dt_softplus: int,
                         dt_min: float, dt_max: float,
                         L: ConstInt, BH: ConstInt):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     c = pid // n_hblocks

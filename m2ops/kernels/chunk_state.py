@@ -14,6 +14,12 @@ GPU sat at 6% occupancy. No chunk's local state depends on any other, so this pa
 matrix work and all reads of x and B, runs with one program per chunk tile (tens of thousands of
 programs); only an elementwise multiply-add stays sequential.
 
+HB heads per program (a constant; launch.CHUNK_STATE_HEADS: 2 for bfloat16 at chunk 256, else 1): the
+program's rows are HB heads' headdim tiles side by side, (HB * TP, TN) = (w x)^T B with x loaded as
+(BL, HB, TP), so that each B tile, which every head of a group shares, is read from L2 once per HB heads
+rather than once per head (B was most of the kernel's L2 traffic at dstate 256-512: heads x dstate x 2 bytes
+per token). The launcher only takes HB > 1 where HB divides the heads of a group.
+
 With seq_idx (HAS_SEQ), tokens whose sequence differs from the chunk's last token add nothing (their
 contribution belongs to a state that ends inside the chunk; varlen_states recomputes those).
 """
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, load_tile, weighted_state_product
+from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -31,34 +37,40 @@ _ZERO = ct.PaddingMode.ZERO
 def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
                        seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool):
+                       CHK: ConstBool, HB: ConstInt):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     nt = pid % n_ntiles
     rest = pid // n_ntiles
     pt = rest % n_ptiles
     rest = rest // n_ptiles
-    h = rest % nheads
-    c = rest // nheads
-    g = h // heads_per_group
+    hb = rest % (nheads // HB)     # block of HB heads (the launcher makes HB divide nheads)
+    c = rest // (nheads // HB)
+    g = (hb * HB) // heads_per_group
 
-    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=(), check_bounds=False)
+    cs_last = ct.load(dA_cumsum, (b, hb, c, L - 1), shape=(1, HB, 1, 1), check_bounds=False).reshape((HB, 1))
     if HAS_SEQ:
         seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
 
-    s = ct.zeros((TP, TN), dtype=ct.float32)
+    s = ct.zeros((HB * TP, TN), dtype=ct.float32)
     # Sub-blocks wholly past seqlen are skipped: a tile entirely outside an array is undefined to load.
     n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
     for sb in range(n_sub):
-        cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-        dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        cs = ct.load(dA_cumsum, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
+        dt = ct.load(dt_out, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
         w = ct.exp(cs_last - cs) * dt
         row = c * (L // BL) + sb
         if HAS_SEQ:
-            seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((BL,))
+            seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((1, BL))
             w = ct.where(seq == seq_last, w, 0.0)
         bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-        s = weighted_state_product(xs, bs, w, s)
+        if HB == 1:
+            xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+            s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
+        else:
+            xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
+            xw = (xs.astype(ct.float32) * ct.transpose(w)[:, :, None]).astype(xs.dtype)
+            s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
 
-    ct.store(states, (b, c, h, pt, nt), s.reshape((1, 1, 1, TP, TN)))
+    ct.store(states, (b, c, hb, pt, nt), s.reshape((1, 1, HB, TP, TN)))

@@ -80,6 +80,16 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def dependent_launch_prologue():
+    """First statement of every forward kernel. Launched with programmatic dependent launch (launch.PDL, sm_90
+    and later), a kernel's programs can be scheduled while the kernel before it in the stream is still
+    finishing: the wait holds them until that kernel has completed and its writes are visible, before any load
+    or store of this one, so only the launch and scheduling latency overlaps; launch_dependents then lets the
+    next kernel's programs be scheduled in turn. Without PDL both are no-ops."""
+    ct.grid_dependency_control_wait()
+    ct.grid_dependency_control_launch_dependents()
+
+
 def load_tile(array, index, shape, CHK):
     """A zero-padded, bounds-checked tile load; or, with CHK False (the launcher found every tile inside its
     array: launch.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.

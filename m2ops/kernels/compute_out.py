@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, diag_decay, load_tile
+from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, load_tile
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -32,6 +32,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
                        CHK: ConstBool, SBF: ConstBool):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles

@@ -21,6 +21,7 @@ one copy of a small or rare tensor:
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -60,11 +61,33 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
 CHUNK_STATE_TN = 128
 
 
-def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True) -> dict:
+# chunk_state's heads per program (HB) and its occupancy hint at HB > 1, per (input dtype, chunk size): two
+# heads share each B tile. On the H200 at chunk 256, bfloat16 (tests/gpu/variants_scan.py "state HB2 occ 2"
+# against the defaults, 4abd1b3): chunk_state 0.134 -> 0.129 ms at T=16K N=128, 0.260 -> 0.246 at N=256,
+# 0.522 -> 0.463 at N=512; with 64-wide dstate tiles instead it was 2x slower.
+CHUNK_STATE_HEADS = {("bfloat16", 256): (2, 2)}
+
+
+def chunk_state_heads(dtype: str, chunk_size: int, heads_per_group: int | None = None) -> int:
+    """HB: CHUNK_STATE_HEADS's where it divides heads_per_group (a program's heads share one group's B), else
+    1; without heads_per_group, the table's own."""
+    hb = CHUNK_STATE_HEADS.get((dtype, chunk_size), (1, None))[0]
+    return hb if heads_per_group is None or heads_per_group % hb == 0 else 1
+
+
+def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True, heads: int = 1) -> dict:
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=CHUNK_STATE_TN, HAS_SEQ=bool(has_seq),
-             CHK=bool(check))
+             CHK=bool(check), HB=heads)
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
+
+
+def chunk_state_hints(dtype: str, chunk_size: int, heads: int) -> dict:
+    """ct.kernel hints of chunk_state with `heads` heads per program (the table's for one head)."""
+    occ = CHUNK_STATE_HEADS.get((dtype, chunk_size), (1, None))[1]
+    if heads > 1 and occ is not None and "chunk_state" not in HINT_OVERRIDE:
+        return {"occupancy": occ}
+    return kernel_hints("chunk_state", dtype, chunk_size)
 
 
 def tiles_in_bounds(seqlen: int, headdim: int, dstate: int, k: dict) -> bool:
@@ -350,8 +373,29 @@ def _stream_handle() -> int:
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
+# Programmatic dependent launch of the forward kernels (each begins with common.dependent_launch_prologue) on
+# GPUs of compute capability 9.0 and later: a kernel's launch and scheduling overlap the end of the kernel
+# before it, which matters where a call is a few short kernels (T = 1K: tens of microseconds in all).
+# M2OPS_PDL=0 turns it off.
+PDL = os.environ.get("M2OPS_PDL", "1") != "0"
+PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
+                         "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
+                         "varlen_states_kernel"))
+_PDL_DEVICE: dict = {}
+
+
+def _pdl(kernel) -> bool:
+    if not PDL or kernel._pyfunc.__name__ not in PDL_KERNELS:
+        return False
+    index = torch._C._cuda_getDevice()
+    if index not in _PDL_DEVICE:
+        _PDL_DEVICE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PDL_DEVICE[index]
+
+
 def _launch(grid, kernel, args):
-    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args), args)
+    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args), args,
+              programmatic_dependent_launch=_pdl(kernel))
 
 
 # ---- the three ops ----
@@ -406,13 +450,17 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq), T, p, n)
+    dname = _dtype_name(mma_dtype)
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L, h // g)),
+                        T, p, n)
+    if (h // g) % k["HB"]:  # a program's heads must share one group's B (CONSTANT_OVERRIDE may set any HB)
+        k["HB"] = 1
     n_state_tiles = cdiv(n, k["TN"])
-    _launch((nchunks * h * n_ptiles * n_state_tiles, b, 1),
-            hinted_kernel("chunk_state", _dtype_name(mma_dtype), L),
+    _launch((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),
+            _hinted("chunk_state", tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))),
             (xk, Bk, dtk, csk, seq, states,
              T, h, h // g, n_state_tiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"]))
+             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"]))
 
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     pn = p * n

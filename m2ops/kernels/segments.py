@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, diag_decay, weighted_state_product
+from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -87,6 +87,7 @@ def segment_state_kernel(x: Big, B: Big, dt: Big, cs: Big, seq_idx: Big, seg_sta
                          seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, blocks_per_seg: int,
                          n_blocks: int, blocks_per_chunk: int,
                          BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool):
+    dependent_launch_prologue()
     b, pt, h, g, seg, r0, r1 = _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks)
 
     s = ct.zeros((TP, NT), dtype=ct.float32)
@@ -109,6 +110,7 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
                        seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, blocks_per_seg: int,
                        n_blocks: int, blocks_per_chunk: int, has_d: int, has_z: int,
                        BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool):
+    dependent_launch_prologue()
     b, pt, h, g, seg, r0, r1 = _program(nheads, heads_per_group, n_ptiles, blocks_per_seg, n_blocks)
     mma_dtype = x.dtype
 

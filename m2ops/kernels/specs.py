@@ -207,10 +207,14 @@ def all_specs() -> list[Spec]:
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
             out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
-            for has_seq in (False, True):
-                for check in (True, False):
-                    out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check),
-                                    _params("chunk_state", dt), _hints("chunk_state", dt, L)))
+            # one head per program, and chunk_state_heads's choice where it is more (odd heads per group fall
+            # back to one)
+            for hb in sorted({1, launch.chunk_state_heads(dt, L)}):
+                for has_seq in (False, True):
+                    for check in (True, False):
+                        out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check, hb),
+                                        _params("chunk_state", dt),
+                                        tuple(sorted(launch.chunk_state_hints(dt, L, hb).items()))))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.

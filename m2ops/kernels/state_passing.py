@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import Big, ConstBool, ConstInt, dependent_launch_prologue
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -55,6 +55,7 @@ def state_passing_kernel(states: Big, dA_cumsum: Big, seq_idx: Big, initial_stat
                          entering: Big,
                          seqlen: int, nchunks: int, n_blocks: int, has_init: int, L: int,
                          BLK: ConstInt, HAS_SEQ: ConstBool, LAT: ConstInt, SEP: ConstBool):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     blk = pid % n_blocks

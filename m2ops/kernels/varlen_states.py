@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt, weighted_state_product
+from .common import Big, ConstInt, dependent_launch_prologue, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -21,6 +21,7 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
                          varlen_states: Big,
                          heads_per_group: int, n_ntiles: int,
                          L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt):
+    dependent_launch_prologue()
     seq = ct.bid(0)
     h = ct.bid(1)
     tile = ct.bid(2)
