@@ -564,6 +564,32 @@ def test_chunk_state_heads_per_program(monkeypatch, heads, ngroups, hb, seq_idx)
 
 
 @pytest.mark.parametrize("seq_idx", [False, True])
+def test_local_states_in_bf16(monkeypatch, seq_idx):
+    """LOCAL_STATES_IN_BF16 (an experiment, off by default): at chunk 256 chunk_state stores the local states
+    in bfloat16 and state_passing widens them; the final state and y stay within the bf16 tolerances."""
+    monkeypatch.setattr(launch, "LOCAL_STATES_IN_BF16", True)
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
+                      initial_states=True, seq_idx=seq_idx, nseqs=2, seed=5)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    seen = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, args):
+            if kernel._pyfunc.__name__ == "chunk_state_kernel":
+                seen.append(args[5].dtype)
+            return emulated(grid, kernel, args)
+
+        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                   case["initial_states"], case["D"], None, case["seq_idx"])[:2]
+    assert seen == [torch.bfloat16]
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
+    _check(y, y_ref, "y", torch.bfloat16, "y")
+
+
+@pytest.mark.parametrize("seq_idx", [False, True])
 def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     """STATES_IN_BF16 (the default): state_passing writes the entering states to a separate bfloat16 array
     (SEP), compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept

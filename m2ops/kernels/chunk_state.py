@@ -5,8 +5,8 @@ One program per (chunk, head, (headdim tile, dstate tile), batch row) computes
 
     local_c = sum over tokens j of the chunk of  (w_j x_j)^T B_j,   w_j = exp(cs_last - cs_j) * dt_j
 
-as mma's of (w * x)^T (TP, BL) by B (BL, TN), BL token rows at a time, and stores it in float32 into the
-chunk's slot of the states buffer, where state_passing replaces it by the entering state.
+as mma's of (w * x)^T (TP, BL) by B (BL, TN), BL token rows at a time, and stores it (in float32, or
+bfloat16 under launch.LOCAL_STATES_IN_BF16) into the chunk's slot of the states buffer, where state_passing replaces it by the entering state.
 
 Why: the old single kernel walked all chunks of one state tile in one program (B*H*P/TP*N/TN = 160
 programs at the benchmark shape), so every chunk cost a dependent load -> mma -> store round trip and the
@@ -73,4 +73,4 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             xw = (xs.astype(ct.float32) * ct.transpose(w)[:, :, None]).astype(xs.dtype)
             s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
 
-    ct.store(states, (b, c, hb, pt, nt), s.reshape((1, 1, HB, TP, TN)))
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))

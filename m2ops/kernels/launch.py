@@ -185,6 +185,21 @@ CONSTANT_OVERRIDE: dict = {}
 # 1.35 ms and the call 6.12 -> 4.69 ms at T=64K N=256; y moved by 1.8e-3 relative (bfloat16's rounding).
 CB_IN_BF16 = True
 STATES_IN_BF16 = True
+# Experiment (off; tests/gpu/variants_scan.py "local states bf16"): where state_passing writes the entering
+# states to their own bfloat16 array (STATES_IN_BF16, bfloat16 activations) at chunk 256, chunk_state also
+# stores the chunks' local states in bfloat16, halving the largest write of chunk_state and read of
+# state_passing (the recurrence and the final state stay float32; each local state gains one bfloat16
+# rounding, like the products that formed it). Predicted on the H200 from the traffic: about -40 us at T=16K
+# N=128 and -160 us at N=512.
+LOCAL_STATES_IN_BF16 = False
+LOCAL_STATES_CHUNK = 256
+
+
+def local_dtype_names(dtype: str, chunk_size: int) -> tuple:
+    """The dtypes chunk_state can store the local states in for activations of dtype at chunk_size: float32,
+    and bfloat16 where the LOCAL_STATES_IN_BF16 experiment may run (built whether or not it is on)."""
+    extra = dtype == "bfloat16" and chunk_size == LOCAL_STATES_CHUNK and "bfloat16" in entering_dtype_names(dtype)
+    return ("float32", "bfloat16") if extra else ("float32",)
 
 
 def cb_dtype_name(dtype: str) -> str:
@@ -443,7 +458,11 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     xk, Bk = _as(x, mma_dtype), _as(B, mma_dtype)
     dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
 
-    states = torch.empty(states_shape(b, nchunks, h, p, n), dtype=torch.float32, device=dev)
+    separate = entering_dtype is not None and cu_seqlens is None
+    local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
+                  and "bfloat16" in local_dtype_names(_dtype_name(mma_dtype), L))
+    states = torch.empty(states_shape(b, nchunks, h, p, n), dtype=torch.bfloat16 if local_bf16 else torch.float32,
+                         device=dev)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     has_seq = seq_idx is not None
@@ -468,7 +487,6 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     n_blocks = cdiv(pn, blk)
     init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
             else _dummy(x, torch.float32, 3))
-    separate = entering_dtype is not None and cu_seqlens is None
     entering = (torch.empty(states.shape, dtype=entering_dtype, device=dev) if separate
                 else _dummy(x, torch.float32, 4))
     ks = state_passing_constants(blk, has_seq, separate)

@@ -136,19 +136,20 @@ _INT, _FLOAT = ("int",), ("float",)
 
 
 def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32,
-            g_dtype: str = F32, g_local_dtype: str = F32) -> tuple:
+            g_dtype: str = F32, g_local_dtype: str = F32, local_dtype: str = F32) -> tuple:
     """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
     dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays; state_dtype is also
     state_passing's separate entering-state output and compute_out's states; cb_dtype: chunk_cb's output and
-    compute_out's C . B^T; g_dtype: compute_out_bwd's G; g_local_dtype: fwd_pass_state's backward's glocal."""
+    compute_out's C . B^T; g_dtype: compute_out_bwd's G; g_local_dtype: fwd_pass_state's backward's glocal;
+    local_dtype: the local states chunk_state writes and state_passing reads."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     if kernel_name == "chunk_state":
-        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 5),
+        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(local_dtype, 5),
                 _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "state_passing":
-        return (_a(F32, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
+        return (_a(local_dtype, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
                 _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_cb":
         return (_a(dt, 4), _a(dt, 4), _a(cb_dtype, 5), _INT)
@@ -212,9 +213,11 @@ def all_specs() -> list[Spec]:
             for hb in sorted({1, launch.chunk_state_heads(dt, L)}):
                 for has_seq in (False, True):
                     for check in (True, False):
-                        out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check, hb),
-                                        _params("chunk_state", dt),
-                                        tuple(sorted(launch.chunk_state_hints(dt, L, hb).items()))))
+                        for ld in launch.local_dtype_names(dt, L):
+                            out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check, hb),
+                                            _params("chunk_state", dt, local_dtype=ld),
+                                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                                            dtypes=(("local", ld),) if ld != F32 else ()))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
@@ -244,8 +247,14 @@ def all_specs() -> list[Spec]:
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
             for sd in separate:
-                out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq, separate=True),
-                                _params("state_passing", F32, state_dtype=sd), dtypes=(("entering", sd),)))
+                # float32 local states, and bfloat16 ones where chunk_state may write them (LOCAL_STATES_IN_BF16)
+                lds = sorted({ld for dt in INPUT_DTYPES for L in CHUNK_SIZES for ld in launch.local_dtype_names(dt, L)
+                              if sd in launch.entering_dtype_names(dt)})
+                for ld in lds:
+                    out.append(Spec("state_passing", F32,
+                                    launch.state_passing_constants(blk, has_seq, separate=True),
+                                    _params("state_passing", F32, state_dtype=sd, local_dtype=ld),
+                                    dtypes=(("entering", sd),) + ((("local", ld),) if ld != F32 else ())))
     # Backward kernels (launch_bwd.py). Apart from
     # chunk_cumsum_bwd they take the chunk size at run time: one specialisation per token block it implies.
     for dt in INPUT_DTYPES:

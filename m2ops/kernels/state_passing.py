@@ -39,7 +39,7 @@ def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_
     """Chunk c's local state block, its decay exp(cs_last) and, with seq_idx, whether the entering state
     survives the chunk (as 1.0 / 0.0 folded into the decay)."""
     local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
-                    latency=LAT).reshape((BLK,))
+                    latency=LAT).reshape((BLK,)).astype(ct.float32)  # bfloat16 local states: SEP only
     carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
     if HAS_SEQ:
         start = c * L

@@ -25,7 +25,7 @@ from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import index_width, launch  # noqa: E402
 
 # name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on[, "cb16": launch.CB_IN_BF16,
-#          "states16": launch.STATES_IN_BF16])
+#          "states16": launch.STATES_IN_BF16, "local16": launch.LOCAL_STATES_IN_BF16])
 VARIANTS = {
     "index64": ({}, {}, False),
     "index32": ({}, {}, True),
@@ -62,6 +62,8 @@ VARIANTS = {
     "state HB2 TN64": ({"chunk_state": {"HB": 2, "TN": 64}}, {}, True, "cb16", "states16"),
     "state HB4 TN64 occ 2": ({"chunk_state": {"HB": 4, "TN": 64}}, {"chunk_state": {"occupancy": 2}}, True, "cb16",
                              "states16"),
+    # chunk_state's local states stored in bfloat16 (launch.LOCAL_STATES_IN_BF16), on the defaults
+    "local states bf16": ({}, {}, True, "cb16", "states16", "local16"),
 }
 
 
@@ -73,7 +75,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16
+    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
         T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
@@ -81,12 +83,14 @@ def main():
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
         # errors are against the 64-bit-indexed kernels with float32 C . B^T and states
         index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = False, False, False
+        launch.LOCAL_STATES_IN_BF16 = False
         y0, fin0 = call()
         for name in args.variants.split(","):
             consts, hints, narrow = VARIANTS[name][:3]
             index_width.NARROW_INDEX = narrow
             launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
             launch.STATES_IN_BF16 = "states16" in VARIANTS[name][3:]
+            launch.LOCAL_STATES_IN_BF16 = "local16" in VARIANTS[name][3:]
             launch.CONSTANT_OVERRIDE.clear()
             launch.CONSTANT_OVERRIDE.update(consts)
             launch.HINT_OVERRIDE.clear()
@@ -101,7 +105,8 @@ def main():
             finally:
                 launch.CONSTANT_OVERRIDE.clear()
                 launch.HINT_OVERRIDE.clear()
-                index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = defaults
+                (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
+                 launch.LOCAL_STATES_IN_BF16) = defaults
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
