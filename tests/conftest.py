@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 
 import pytest
@@ -70,6 +72,16 @@ TOL = {
     torch.float16: 1e-3,
     torch.bfloat16: 8e-3,
 }
+
+
+def printed_with_env(code: str, name: str, value: str | None) -> str:
+    """What `python -c code` prints in a fresh interpreter whose environment has `name` set to value (unset for
+    None): for settings read at import."""
+    env = {k: v for k, v in os.environ.items() if k != name}
+    if value is not None:
+        env[name] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def state_dtype(dtype):

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 ct = pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
 
+from conftest import printed_with_env  # noqa: E402
 from m2ops.kernels import launch, specs  # noqa: E402
 
 
@@ -51,9 +49,4 @@ def test_kernels_without_pdl_never_wait():
 
 @pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
 def test_pdl_environment_variable(value, on):
-    env = {k: v for k, v in os.environ.items() if k != "M2OPS_PDL"}
-    if value is not None:
-        env["M2OPS_PDL"] = value
-    out = subprocess.run([sys.executable, "-c", "from m2ops.kernels import launch; print(launch.PDL)"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == str(on)
+    assert printed_with_env("from m2ops.kernels import launch; print(launch.PDL)", "M2OPS_PDL", value) == str(on)

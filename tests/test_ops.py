@@ -3,15 +3,11 @@ function (torch.autograd.gradcheck in float64)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import Dims, make_inputs, run_scan
+from conftest import Dims, make_inputs, printed_with_env, run_scan
 from m2ops import ops
 
 INF = float("inf")
@@ -354,9 +350,5 @@ def test_chunk_scan_is_the_two_ops(case):
 def test_recompute_states_environment_variable(value, keep):
     """M2OPS_RECOMPUTE_STATES=1 turns off keeping the forward's bfloat16 states for the backward (read at
     import, in a fresh interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "M2OPS_RECOMPUTE_STATES"}
-    if value is not None:
-        env["M2OPS_RECOMPUTE_STATES"] = value
-    out = subprocess.run([sys.executable, "-c", "from m2ops.ops import eager; print(eager.KEEP_STATES)"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    out = printed_with_env("from m2ops.ops import eager; print(eager.KEEP_STATES)", "M2OPS_RECOMPUTE_STATES", value)
     assert out == str(keep)
