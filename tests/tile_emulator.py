@@ -134,6 +134,10 @@ class _Emu:
         return t.transpose(axis0, axis1)
 
     @staticmethod
+    def broadcast_to(t, shape):
+        return torch.broadcast_to(t, tuple(shape))
+
+    @staticmethod
     def mma(a, b, acc):
         return acc + a.float() @ b.float()
 

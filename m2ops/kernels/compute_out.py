@@ -110,3 +110,88 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         zf = zi.astype(ct.float32)
         acc = acc * (zf / (1.0 + ct.exp(-zf)))
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
+
+
+@ct.kernel
+def compute_out_heads_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
+                             seq_idx: Big, y: Big,
+                             seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
+                             has_d: int, has_z: int,
+                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
+                             CHK: ConstBool, SBF: ConstBool, HB: ConstInt):
+    """compute_out_kernel for HB heads of one group per program (an experiment: launch.compute_out_constants'
+    HB through CONSTANT_OVERRIDE): the C tile and the C . B^T blocks, which every head of a group shares, are
+    loaded once for HB heads instead of once per head; the products run batched over the heads, (HB, BL, TP).
+    Same formulas and roundings as compute_out_kernel, so the same y up to summation order."""
+    dependent_launch_prologue()
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    pt = pid % n_ptiles
+    rest = pid // n_ptiles
+    hb = rest % (nheads // HB)     # block of HB heads (the launcher makes HB divide the heads of a group)
+    rb = rest // (nheads // HB)
+    blocks_per_chunk = L // BL
+    c = rb // blocks_per_chunk
+    m = rb % blocks_per_chunk
+    g = (hb * HB) // heads_per_group
+    mma_dtype = x.dtype
+    n_ntiles = (dstate + TN - 1) // TN
+
+    cs_i = ct.load(dA_cumsum, (b, hb, c, m), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
+    dt_i = ct.load(dt_out, (b, hb, c, m), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
+    # The reference point s of compute_out_kernel, per head.
+    cs_s = ct.load(dA_cumsum, (b, hb, c, ct.maximum(m * BL - 1, 0)), shape=(1, HB, 1, 1),
+                   check_bounds=False).reshape((HB, 1))
+    cs_s = ct.where(m == 0, 0.0, cs_s)
+    if HAS_SEQ:
+        seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
+        seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
+        seq_prev = ct.where(c == 0, 0, seq_prev)
+
+    acc = ct.zeros((HB, BL, TP), dtype=ct.float32)
+    for k in range(n_ntiles):
+        ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((1, BL, TN))
+        st = load_tile(states, (b, c, hb, pt, k), (1, 1, HB, TP, TN), CHK).reshape((HB, TP, TN))
+        if SBF:
+            acc = ct.mma(ct.broadcast_to(ci, (HB, BL, TN)), ct.transpose(st.astype(mma_dtype), 1, 2), acc)
+        else:
+            acc = ct.mma(ct.broadcast_to(ci.astype(ct.float32).astype(ct.tfloat32), (HB, BL, TN)),
+                         ct.transpose(st.astype(ct.float32), 1, 2).astype(ct.tfloat32), acc)
+    if HAS_SEQ:
+        acc = acc * ct.where(seq_i[None, :] == seq_prev, ct.exp(cs_s), 0.0)[:, :, None]
+    else:
+        acc = acc * ct.exp(cs_s)[:, :, None]
+
+    for jb in range(m):
+        jrow = c * blocks_per_chunk + jb
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((1, BL, BL)).astype(ct.float32)
+        cs_j = ct.load(dA_cumsum, (b, hb, c, jb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
+        dt_j = ct.load(dt_out, (b, hb, c, jb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
+        wgt = cbt * (ct.exp(cs_s - cs_j) * dt_j)[:, None, :]
+        if HAS_SEQ:
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where((seq_i[:, None] == seq_j[None, :])[None, :, :], wgt, 0.0)
+        xj = load_tile(x, (b, jrow, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
+        acc = ct.mma(wgt.astype(mma_dtype), ct.transpose(xj.astype(mma_dtype), 0, 1), acc)
+    acc = acc * ct.exp(cs_i - cs_s)[:, :, None]
+
+    rows = ct.arange(BL, dtype=ct.int32)
+    keep = rows[:, None] >= rows[None, :]
+    if HAS_SEQ:
+        keep = keep & (seq_i[:, None] == seq_i[None, :])
+    decay = ct.exp(ct.where(keep[None, :, :], cs_i[:, :, None] - cs_i[:, None, :], -float("inf")))
+    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((1, BL, BL)).astype(
+        ct.float32)
+    wgt = cbt * decay * dt_i[:, None, :]
+    xi = ct.transpose(load_tile(x, (b, rb, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP)), 0, 1)
+    acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
+
+    if has_d != 0:
+        dv = load_tile(D, (hb, pt), (HB, TP), CHK).reshape((HB, 1, TP))
+        acc = acc + xi.astype(ct.float32) * dv.astype(ct.float32)
+    if has_z != 0:
+        zi = ct.transpose(load_tile(z, (b, rb, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP)), 0, 1)
+        zf = zi.astype(ct.float32)
+        acc = acc * (zf / (1.0 + ct.exp(-zf)))
+    ct.store(y, (b, rb, hb, pt), ct.transpose(acc, 0, 1).astype(y.dtype).reshape((1, BL, HB, TP)))

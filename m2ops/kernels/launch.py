@@ -39,7 +39,7 @@ from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_P
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
                      supported_chunk_size)
-from .compute_out import compute_out_kernel
+from .compute_out import compute_out_heads_kernel, compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel
@@ -226,6 +226,7 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
 _KERNEL_OBJECTS = {
     "chunk_state": chunk_state_kernel,
     "compute_out": compute_out_kernel,
+    "compute_out_heads": compute_out_heads_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
     # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
@@ -394,8 +395,8 @@ def _stream_handle() -> int:
 # M2OPS_PDL=0 turns it off.
 PDL = os.environ.get("M2OPS_PDL", "1") != "0"
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
-                         "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
-                         "varlen_states_kernel"))
+                         "compute_out_kernel", "compute_out_heads_kernel", "segment_state_kernel",
+                         "segment_out_kernel", "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
 
 
@@ -534,12 +535,17 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     n_ptiles = cdiv(p, TILE_P)
     k = _bounds_checked("compute_out", compute_out_constants(L, seq_idx is not None, dtype=_dtype_name(mma_dtype)),
                         T, p, n)
-    _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L),
-            (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
-             states if (k["SBF"] and states.dtype == torch.bfloat16) else _as(states, torch.float32), Dk, zk,
-             seq, y,
-             T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]))
+    args = (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
+            states if (k["SBF"] and states.dtype == torch.bfloat16) else _as(states, torch.float32), Dk, zk,
+            seq, y,
+            T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
+            k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"])
+    hb = k.get("HB", 1)  # the compute_out_heads experiment (CONSTANT_OVERRIDE), where HB divides a group's heads
+    if hb > 1 and (h // g) % hb == 0:
+        _launch((n_rblocks * (h // hb) * n_ptiles, b, 1),
+                hinted_kernel("compute_out_heads", _dtype_name(mma_dtype), L), (*args, hb))
+    else:
+        _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L), args)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

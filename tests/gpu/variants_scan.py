@@ -64,6 +64,11 @@ VARIANTS = {
                              "states16"),
     # chunk_state's local states stored in bfloat16 (launch.LOCAL_STATES_IN_BF16), on the defaults
     "local states bf16": ({}, {}, True, "cb16", "states16", "local16"),
+    # compute_out_heads_kernel: two heads per program share the C and C . B^T loads; tileiras 13.4's sm_90 build:
+    # 250 registers without a hint (2 CTAs per SM), 168 and 712 bytes of spills at occupancy 3
+    "out HB2": ({"compute_out": {"HB": 2}}, {}, True, "cb16", "states16"),
+    "out HB2 occ 3": ({"compute_out": {"HB": 2}}, {"compute_out_heads": {"occupancy": 3}}, True, "cb16", "states16"),
+    "out HB2 + local states bf16": ({"compute_out": {"HB": 2}}, {}, True, "cb16", "states16", "local16"),
 }
 
 
