@@ -68,11 +68,15 @@ CHUNK_STATE_TN = 128
 CHUNK_STATE_HEADS = {("bfloat16", 256): (2, 2)}
 
 
-def chunk_state_heads(dtype: str, chunk_size: int, heads_per_group: int | None = None) -> int:
-    """HB: CHUNK_STATE_HEADS's where it divides heads_per_group (a program's heads share one group's B), else
-    1; without heads_per_group, the table's own."""
-    hb = CHUNK_STATE_HEADS.get((dtype, chunk_size), (1, None))[0]
-    return hb if heads_per_group is None or heads_per_group % hb == 0 else 1
+def chunk_state_heads(dtype: str, chunk_size: int) -> int:
+    """HB from CHUNK_STATE_HEADS (1 where it has no entry); a launch takes it where it fits (heads_per_program)."""
+    return CHUNK_STATE_HEADS.get((dtype, chunk_size), (1, None))[0]
+
+
+def heads_per_program(hb: int, heads_per_group: int) -> int:
+    """hb where it divides the heads of a group (a program's heads share one group's B and C), else 1: the rule
+    of chunk_state's and compute_out_heads's launches."""
+    return hb if heads_per_group % hb == 0 else 1
 
 
 def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True, heads: int = 1) -> dict:
@@ -471,10 +475,8 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
     dname = _dtype_name(mma_dtype)
-    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L, h // g)),
-                        T, p, n)
-    if (h // g) % k["HB"]:  # a program's heads must share one group's B (CONSTANT_OVERRIDE may set any HB)
-        k["HB"] = 1
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L)), T, p, n)
+    k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
     n_state_tiles = cdiv(n, k["TN"])
     _launch((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),
             _hinted("chunk_state", tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))),
@@ -540,8 +542,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
             seq, y,
             T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"])
-    hb = k.get("HB", 1)  # the compute_out_heads experiment (CONSTANT_OVERRIDE), where HB divides a group's heads
-    if hb > 1 and (h // g) % hb == 0:
+    hb = heads_per_program(k.get("HB", 1), h // g)  # the compute_out_heads experiment (CONSTANT_OVERRIDE)
+    if hb > 1:
         _launch((n_rblocks * (h // hb) * n_ptiles, b, 1),
                 hinted_kernel("compute_out_heads", _dtype_name(mma_dtype), L), (*args, hb))
     else:

@@ -249,15 +249,16 @@ def all_specs() -> list[Spec]:
     # state_passing also writes the entering states to their own array in each dtype besides float32 that
     # compute_out reads them in (launch.entering_dtype_names).
     separate = sorted({d for dt in INPUT_DTYPES for d in launch.entering_dtype_names(dt)} - {F32})
+    # with each, float32 local states and bfloat16 ones where chunk_state may write them (LOCAL_STATES_IN_BF16)
+    locals_with = {sd: sorted({ld for dt in INPUT_DTYPES if sd in launch.entering_dtype_names(dt)
+                               for L in CHUNK_SIZES for ld in launch.local_dtype_names(dt, L)})
+                   for sd in separate}
     for blk in STATE_BLOCKS:
         for has_seq in (False, True):
             out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
                             _params("state_passing", F32)))
             for sd in separate:
-                # float32 local states, and bfloat16 ones where chunk_state may write them (LOCAL_STATES_IN_BF16)
-                lds = sorted({ld for dt in INPUT_DTYPES for L in CHUNK_SIZES for ld in launch.local_dtype_names(dt, L)
-                              if sd in launch.entering_dtype_names(dt)})
-                for ld in lds:
+                for ld in locals_with[sd]:
                     out.append(Spec("state_passing", F32,
                                     launch.state_passing_constants(blk, has_seq, separate=True),
                                     _params("state_passing", F32, state_dtype=sd, local_dtype=ld),
