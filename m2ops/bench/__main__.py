@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench-results")
     p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
     p.add_argument("--check", action="store_true",
-                   help="also compare m2ops's y and final state with the float32 reference at every point")
+                   help="also compare m2ops's y and final state (with --backward: its gradients) with the float32 "
+                        "reference at every point")
     p.add_argument("--backward", action="store_true",
                    help="time forward+backward: gradients of x, dt, A, B, C, D and the initial state")
     return p.parse_args(argv)

@@ -39,9 +39,7 @@ def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
     if not backward:
         fn = forward
     else:
-        g = torch.Generator(device="cpu").manual_seed(1)
-        dout = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
-        dfinal = torch.randn(init.shape, generator=g).to(init.device, init.dtype)
+        dout, dfinal = cotangents(inputs)
         if peer.startswith("tilegym"):
             from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward
 
@@ -58,6 +56,15 @@ def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
 
 
 GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
+
+
+def cotangents(inputs: dict):
+    """The fixed cotangents of y and of the final state that every peer's backward receives."""
+    x, init = inputs["x"], inputs["initial_states"]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    dout = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    dfinal = torch.randn(init.shape, generator=g).to(init.device, init.dtype)
+    return dout, dfinal
 
 
 def _forward(peer, inputs, chunk_size):

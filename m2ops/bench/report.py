@@ -27,13 +27,15 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         shapes[r["key"]] = r
     others = [p for p in peers if not p.startswith("m2ops")]
     checked = any("err_y" in r for r in results)
+    grads_checked = any("err_grad_max" in r for r in results)
     # m2ops without tuning: the tuner's gain, default time / tuned time; from the CUDA-graph pair when both
     # were run, since at short sequences the eager calls are host-bound and scatter more than the tuner gains.
     pair = next((pr for pr in (("m2ops-default-graph", "m2ops-graph"), ("m2ops-default", "m2ops"))
                  if all(p in peers for p in pr)), None)
     head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
             + (["default / tuned"] if pair else [])
-            + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else []))
+            + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else [])
+            + (["m2ops largest gradient error"] if grads_checked else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
                                                              shapes[kv[0]]["shape"]["dstate"])):
@@ -47,6 +49,9 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
         if checked:
             cells.append(f"{ours['err_y']:.1e} / {ours['err_final']:.1e}" if ours and "err_y" in ours else "")
+        if grads_checked:
+            worst = max(ours["err_grads"], key=ours["err_grads"].get) if ours and "err_grads" in ours else None
+            cells.append(f"{ours['err_grad_max']:.1e} ({worst})" if worst else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from .peers import build, make_inputs
+from .peers import build, cotangents, make_inputs
 from .shapes import Shape
 from .timing import median_ms
 
@@ -35,10 +35,13 @@ def run(job: dict) -> dict:
     setup_s = time.perf_counter() - t0
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
     out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
-    if job.get("check") and job["peer"] == "m2ops" and not job.get("backward"):
-        from .check import errors
-        y, final = fn()
-        out.update(errors(inputs, job["chunk_size"], y, final))
+    if job.get("check") and job["peer"] == "m2ops":
+        from .check import errors, grad_errors
+        if job.get("backward"):
+            out.update(grad_errors(inputs, job["chunk_size"], fn(), *cotangents(inputs)))
+        else:
+            y, final = fn()
+            out.update(errors(inputs, job["chunk_size"], y, final))
     return out
 
 
