@@ -589,8 +589,8 @@ def test_compute_out_heads_per_program(monkeypatch, heads, ngroups, seq_idx, z):
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_local_states_in_bf16(monkeypatch, seq_idx):
-    """LOCAL_STATES_IN_BF16 (an experiment, off by default): at chunk 256 chunk_state stores the local states
-    in bfloat16 and state_passing widens them; the final state and y stay within the bf16 tolerances."""
+    """LOCAL_STATES_IN_BF16 (on by default): at chunk 256 chunk_state stores the local states in bfloat16 and
+    state_passing widens them; the final state and y stay within the bf16 tolerances."""
     monkeypatch.setattr(launch, "LOCAL_STATES_IN_BF16", True)
     monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
     case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",

@@ -189,19 +189,19 @@ CONSTANT_OVERRIDE: dict = {}
 # 1.35 ms and the call 6.12 -> 4.69 ms at T=64K N=256; y moved by 1.8e-3 relative (bfloat16's rounding).
 CB_IN_BF16 = True
 STATES_IN_BF16 = True
-# Experiment (off; tests/gpu/variants_scan.py "local states bf16"): where state_passing writes the entering
-# states to their own bfloat16 array (STATES_IN_BF16, bfloat16 activations) at chunk 256, chunk_state also
-# stores the chunks' local states in bfloat16, halving the largest write of chunk_state and read of
-# state_passing (the recurrence and the final state stay float32; each local state gains one bfloat16
-# rounding, like the products that formed it). Predicted on the H200 from the traffic: about -40 us at T=16K
-# N=128 and -160 us at N=512.
-LOCAL_STATES_IN_BF16 = False
+# Where state_passing writes the entering states to their own bfloat16 array (STATES_IN_BF16, bfloat16
+# activations) at chunk 256, chunk_state also stores the chunks' local states in bfloat16, halving the largest
+# write of chunk_state and read of state_passing (the recurrence and the final state stay float32; each local
+# state gains one bfloat16 rounding, like the products that formed it). Measured on an H200
+# (tests/gpu/variants_scan.py "local states bf16", T=16K, call ms): N=64 0.443 -> 0.424, N=128 0.526 -> 0.487,
+# N=512 1.220 -> 1.073; y's error unchanged (1.7e-3-1.9e-3), the final state's 1.7e-3 against the float32 path.
+LOCAL_STATES_IN_BF16 = True
 LOCAL_STATES_CHUNK = 256
 
 
 def local_dtype_names(dtype: str, chunk_size: int) -> tuple:
     """The dtypes chunk_state can store the local states in for activations of dtype at chunk_size: float32,
-    and bfloat16 where the LOCAL_STATES_IN_BF16 experiment may run (built whether or not it is on)."""
+    and bfloat16 where LOCAL_STATES_IN_BF16 may apply (built whether or not it is on)."""
     extra = dtype == "bfloat16" and chunk_size == LOCAL_STATES_CHUNK and "bfloat16" in entering_dtype_names(dtype)
     return ("float32", "bfloat16") if extra else ("float32",)
 
