@@ -563,30 +563,6 @@ def test_chunk_state_heads_per_program(monkeypatch, heads, ngroups, hb, seq_idx)
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("heads,ngroups,seq_idx,z", [(4, 2, True, True), (4, 1, False, False), (6, 2, False, True)])
-def test_compute_out_heads_per_program(monkeypatch, heads, ngroups, seq_idx, z):
-    """compute_out_heads_kernel (two heads per program, an experiment through CONSTANT_OVERRIDE): y within the
-    bf16 tolerance, D and z included; 6 heads in 2 groups (3 a group) fall back to compute_out_kernel."""
-    case = _bf16_case(chunk_size=256, batch=1, seqlen=300, nheads=heads, ngroups=ngroups, headdim=16, dstate=32,
-                      D="hp", z=z, initial_states=True, seq_idx=seq_idx, nseqs=2, seed=heads + 7)
-    y_ref, _, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"HB": 2, "TP": 16, "TN": 32}})
-    names = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, args):
-            names.append(kernel._pyfunc.__name__)
-            return emulated(grid, kernel, args)
-
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
-                               mid["states"].to(torch.bfloat16), case["D"], case["z"], case["seq_idx"])
-    expected = "compute_out_kernel" if (heads // ngroups) % 2 else "compute_out_heads_kernel"
-    assert expected in names
-    _check(y, y_ref, "y", torch.bfloat16, "y")
-
-
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_local_states_in_bf16(monkeypatch, seq_idx):
     """LOCAL_STATES_IN_BF16 (on by default): at chunk 256 chunk_state stores the local states in bfloat16 and

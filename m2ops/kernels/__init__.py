@@ -7,7 +7,6 @@
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
     chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks)  } the
     compute_out.py     compute_out_kernel     y, with D and z fused                                  } compute_out op
-                       compute_out_heads_kernel  the same for two heads per program (an experiment, off)
     segments.py        segment_state_kernel,  the chunk_scan op (fwd_pass_state + compute_out fused): segment
                        segment_out_kernel     end states, state_passing over segments, y from registers-held
                                               states, no per-chunk states in memory

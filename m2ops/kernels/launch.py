@@ -39,7 +39,7 @@ from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_P
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
                      supported_chunk_size)
-from .compute_out import compute_out_heads_kernel, compute_out_kernel
+from .compute_out import compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel
@@ -74,8 +74,8 @@ def chunk_state_heads(dtype: str, chunk_size: int) -> int:
 
 
 def heads_per_program(hb: int, heads_per_group: int) -> int:
-    """hb where it divides the heads of a group (a program's heads share one group's B and C), else 1: the rule
-    of chunk_state's and compute_out_heads's launches."""
+    """hb where it divides the heads of a group (a program's heads share one group's B), else 1: the rule of
+    chunk_state's launches."""
     return hb if heads_per_group % hb == 0 else 1
 
 
@@ -230,7 +230,6 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
 _KERNEL_OBJECTS = {
     "chunk_state": chunk_state_kernel,
     "compute_out": compute_out_kernel,
-    "compute_out_heads": compute_out_heads_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
     # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
@@ -399,8 +398,8 @@ def _stream_handle() -> int:
 # M2OPS_PDL=0 turns it off.
 PDL = os.environ.get("M2OPS_PDL", "1") != "0"
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
-                         "compute_out_kernel", "compute_out_heads_kernel", "segment_state_kernel",
-                         "segment_out_kernel", "varlen_states_kernel"))
+                         "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
+                         "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
 
 
@@ -542,12 +541,7 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
             seq, y,
             T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"])
-    hb = heads_per_program(k.get("HB", 1), h // g)  # the compute_out_heads experiment (CONSTANT_OVERRIDE)
-    if hb > 1:
-        _launch((n_rblocks * (h // hb) * n_ptiles, b, 1),
-                hinted_kernel("compute_out_heads", _dtype_name(mma_dtype), L), (*args, hb))
-    else:
-        _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L), args)
+    _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L), args)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

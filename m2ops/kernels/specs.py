@@ -32,7 +32,7 @@ from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
-from .compute_out import compute_out_heads_kernel, compute_out_kernel
+from .compute_out import compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
@@ -114,7 +114,6 @@ _KERNELS = {
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
-    "compute_out_heads": compute_out_heads_kernel,
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
@@ -157,7 +156,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "varlen_states":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
                 _INT, _INT)
-    if kernel_name in ("compute_out", "compute_out_heads"):
+    if kernel_name == "compute_out":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
                 _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
@@ -233,12 +232,6 @@ def all_specs() -> list[Spec]:
                         out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
                                         _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
                                         _hints("compute_out", dt, L), dtypes=extra))
-                        # the compute_out_heads experiment where it would be measured first (bfloat16 states)
-                        if sd == "bfloat16" and L == 256:
-                            out.append(Spec("compute_out_heads", dt,
-                                            {**launch.compute_out_constants(L, has_seq, check, dt), "HB": 2},
-                                            _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
-                                            _hints("compute_out_heads", dt, L), dtypes=extra))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
         for nt in SEGMENT_NTS:

@@ -51,7 +51,7 @@ VARIANTS = {
     "state BL256 occ 2": ({"chunk_state": {"BL": 256}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
     "state BL128 occ 4": ({"chunk_state": {"BL": 128}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16"),
     # the defaults, and chunk_state's occupancy hint again now that its dstate tile is 128 wide (v10)
-    "defaults": ({}, {}, True, "cb16", "states16"),
+    "defaults": ({}, {}, True, "cb16", "states16", "local16"),
     "state occ 2": ({}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
     "state occ 3": ({}, {"chunk_state": {"occupancy": 3}}, True, "cb16", "states16"),
     "state no occ": ({}, {"chunk_state": {}}, True, "cb16", "states16"),
@@ -62,13 +62,10 @@ VARIANTS = {
     "state HB2 TN64": ({"chunk_state": {"HB": 2, "TN": 64}}, {}, True, "cb16", "states16"),
     "state HB4 TN64 occ 2": ({"chunk_state": {"HB": 4, "TN": 64}}, {"chunk_state": {"occupancy": 2}}, True, "cb16",
                              "states16"),
-    # chunk_state's local states stored in bfloat16 (launch.LOCAL_STATES_IN_BF16), on the defaults
+    # chunk_state's local states stored in bfloat16 (launch.LOCAL_STATES_IN_BF16): the defaults since v16, and
+    # the defaults before it
     "local states bf16": ({}, {}, True, "cb16", "states16", "local16"),
-    # compute_out_heads_kernel: two heads per program share the C and C . B^T loads; tileiras 13.4's sm_90 build:
-    # 250 registers without a hint (2 CTAs per SM), 168 and 712 bytes of spills at occupancy 3
-    "out HB2": ({"compute_out": {"HB": 2}}, {}, True, "cb16", "states16"),
-    "out HB2 occ 3": ({"compute_out": {"HB": 2}}, {"compute_out_heads": {"occupancy": 3}}, True, "cb16", "states16"),
-    "out HB2 + local states bf16": ({"compute_out": {"HB": 2}}, {}, True, "cb16", "states16", "local16"),
+    "local states float32": ({}, {}, True, "cb16", "states16"),
 }
 
 
