@@ -611,6 +611,41 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
+@pytest.mark.parametrize("dtype,seq_idx,given_states", [(torch.bfloat16, True, True), (torch.float32, False, False),
+                                                         (torch.bfloat16, False, False)])
+def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states):
+    """launch_bwd.SEPARATE_CARRY_GRAD (an experiment, off): state_passing_bwd walks without gcarry and
+    state_carry_grad forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as
+    with gcarry in the walk, also from the forward's bfloat16 entering states (the eager path's)."""
+    from m2ops.kernels import launch_bwd
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
+                     dstate=32, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=21)
+    case["A"] = case["A"] * 0.02  # slow decay: carries near 1, so that gcarry's share of g_dA_cumsum counts
+    _, fin_ref, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(21)
+    args = (_cotangent(mid["states"], gen), _cotangent(fin_ref, gen), fin_ref.new_zeros((0, *fin_ref.shape[1:])),
+            case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
+    want = ref_bwd.fwd_pass_state_bwd(*args)
+    states = mid["states"].to(torch.bfloat16) if given_states else None
+    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
+    names = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, kargs):
+            names.append(kernel._pyfunc.__name__)
+            return emulated(grid, kernel, kargs)
+
+        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        got = launch_bwd.fwd_pass_state_bwd(*args, states)
+    assert "state_carry_grad_kernel" in names
+    tol = BWD_TOL[dtype] * (2 if given_states else 1)  # bfloat16 entering states: one more rounding
+    for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
+
+
 def test_every_launch_above_is_a_compiled_specialisation():
     """Every launch the tests above ran (kernel, compiler options, array dtypes and ranks, constants; launches
     under a profiling override excluded) is one of m2ops.kernels.specs.all_specs(), the list the compile test

@@ -35,7 +35,8 @@ from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
-from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_passing_bwd_kernel
+from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
+                             state_passing_bwd_kernel)
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -119,6 +120,7 @@ _KERNELS = {
     "segment_out": segment_out_kernel,
     "chunk_cumsum_bwd": chunk_cumsum_bwd_kernel,
     "state_passing_bwd": state_passing_bwd_kernel,
+    "state_carry_grad": state_carry_grad_kernel,
     "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
     "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
     "out_bwd_dx": out_bwd_dx_kernel,
@@ -174,6 +176,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "state_passing_bwd":
         return (_a(state_dtype, 4), _a(F32, 4), _a(F32, 3), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 4), _a(F32, 4),
                 _a(F32, 3), _INT, _INT, _INT, _INT)
+    if kernel_name == "state_carry_grad":
+        return (_a(state_dtype, 4), _a(g_local_dtype, 4), _a(F32, 4), _INT, _INT)
     if kernel_name == "chunk_state_bwd_x":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
                 _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
@@ -282,19 +286,21 @@ def all_specs() -> list[Spec]:
                 for name in ("out_bwd_dcbw", "out_bwd_dx"):
                     out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
     g_locals = sorted({launch_bwd.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
+    # (states dtype, glocal dtype): float32 states with each glocal, and the forward's bfloat16 entering states
+    # with bfloat16 activations' glocal (m2ops/ops/eager.py)
+    pairs = [(F32, gl) for gl in g_locals] + sorted(
+        {(sd, launch_bwd.g_local_dtype_name(dt)) for dt in INPUT_DTYPES
+         for sd in set(launch.entering_dtype_names(dt)) - {F32}})
     for blk in STATE_BLOCKS:
-        for has_seq in (False, True):
-            for gl in g_locals:
-                out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
-                                _params("state_passing_bwd", F32, g_local_dtype=gl),
-                                dtypes=(("g_local", gl),) if gl != F32 else ()))
-            # the forward's bfloat16 entering states, with bfloat16 activations' glocal (m2ops/ops/eager.py)
-            for dt in INPUT_DTYPES:
-                for sd in sorted(set(launch.entering_dtype_names(dt)) - {F32}):
-                    gl = launch_bwd.g_local_dtype_name(dt)
-                    out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq),
-                                    _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd),
-                                    dtypes=(("g_local", gl), ("states", sd))))
+        for sd, gl in pairs:
+            extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
+            for has_seq in (False, True):
+                # with gcarry in the walk, and without it (launch_bwd.SEPARATE_CARRY_GRAD)
+                for gc in (True, False):
+                    out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq, gc),
+                                    _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
+            out.append(Spec("state_carry_grad", F32, dict(BLK=blk),
+                            _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):

@@ -6,6 +6,9 @@ in the forward, and gS_C = g_final:
 1. state_passing_bwd_kernel, one program per (block of BLK state elements, head, batch row), walks the
    chunks backwards:  glocal_c = gS_{c+1};  gcarry_c = <gS_{c+1}, S_c> (this block's share);
    gS_c = g_states[c] + carry_c gS_{c+1};  at the end g_init = gS_0.
+   Without GC (an experiment, launch_bwd.SEPARATE_CARRY_GRAD) the walk leaves gcarry out and reads chunk
+   c - 1's inputs while it works on chunk c, and state_carry_grad_kernel, one program per (block, head,
+   chunk, batch row), forms gcarry_c = <glocal_c, S_c> afterwards, in parallel over the chunks.
 2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
    tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M (plus the caller's g_x_base, another op's
    gradient of x) and this headdim tile's share of g_w = sum_p x M.
@@ -35,13 +38,31 @@ _ZERO = ct.PaddingMode.ZERO
 def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum: Big, seq_idx: Big,
                              g_local: Big, g_carry_part: Big, g_init: Big,
                              seqlen: int, nchunks: int, n_blocks: int, L: int,
-                             BLK: ConstInt, HAS_SEQ: ConstBool):
+                             BLK: ConstInt, HAS_SEQ: ConstBool, GC: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     blk = pid % n_blocks
     h = pid // n_blocks
 
     g = ct.load(g_final, (b, h, blk), shape=(1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+    if not GC:
+        # Why: measured on the H200, this walk took 0.85 ms at T=64K, 80 heads, dstate 64 where the forward's
+        # (the same traffic, reads issued a chunk ahead, no reduction) takes 0.16; issuing the reads ahead
+        # with the per-chunk block sum still in the loop made it slower (0.95). Here the loop holds neither
+        # the sum nor the states' reads: only chunk c - 1's carry and g_states block, read ahead.
+        c = nchunks - 1
+        carry = _chunk_carry(dA_cumsum, seq_idx, b, c, h, seqlen, L, HAS_SEQ)
+        gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+        for i in range(nchunks):
+            c = nchunks - 1 - i
+            prv = ct.maximum(c - 1, 0)  # at c = 0 chunk 0 is read again, unused
+            carry_p = _chunk_carry(dA_cumsum, seq_idx, b, prv, h, seqlen, L, HAS_SEQ)
+            gst_p = ct.load(g_states, (b, prv, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+            ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
+            g = gst + carry * g
+            carry, gst = carry_p, gst_p
+        ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
+        return
     for i in range(nchunks):
         c = nchunks - 1 - i
         s_c, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1)
@@ -51,6 +72,32 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         g = gst + carry * g
     ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
+
+
+def _chunk_carry(dA_cumsum, seq_idx, b, c, h, seqlen, L, HAS_SEQ):
+    """exp(cs_last) of chunk c, 0.0 where the state entering it does not survive it (state_passing's rule)."""
+    carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
+    if HAS_SEQ:
+        start = c * L
+        seq_last = ct.load(seq_idx, (b, ct.minimum(start + L - 1, seqlen - 1)), shape=())
+        seq_prev = ct.where(c == 0, 0, ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=()))
+        carry = ct.where(seq_last == seq_prev, carry, 0.0)
+    return carry
+
+
+@ct.kernel
+def state_carry_grad_kernel(states: Big, g_local: Big, g_carry_part: Big, nheads: int, n_blocks: int,
+                            BLK: ConstInt):
+    """gcarry_c's share of one block of the state: <glocal_c, S_c> (after state_passing_bwd_kernel without GC)."""
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    blk = pid % n_blocks
+    rest = pid // n_blocks
+    h = rest % nheads
+    c = rest // nheads
+    s = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).astype(ct.float32)
+    gl = ct.load(g_local, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).astype(ct.float32)
+    ct.store(g_carry_part, (b, h, c, blk), ct.sum(s * gl).reshape((1, 1, 1, 1)))
 
 
 def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ):

@@ -12,6 +12,9 @@ them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M
 --occupancy k1,k2,...: the same again with each backward kernel that takes hints (launch_bwd.HINTED) compiled
 with ct.kernel occupancy k (launch.HINT_OVERRIDE), each variant's gradients compared with the first run's,
 so that one run gives each kernel's time at each occupancy.
+
+--separate-carry: the same again with launch_bwd.SEPARATE_CARRY_GRAD on (state_passing_bwd's walk without the
+per-chunk sum of gcarry, state_carry_grad_kernel forming it afterwards), gradients compared likewise.
 """
 
 from __future__ import annotations
@@ -48,8 +51,11 @@ def main():
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--json", default=None)
     ap.add_argument("--occupancy", default="", help="e.g. 2,3,4: also time the backward kernels at these")
+    ap.add_argument("--separate-carry", action="store_true",
+                    help="also time the backward with launch_bwd.SEPARATE_CARRY_GRAD on")
     args = ap.parse_args()
-    variants = [None] + [int(k) for k in args.occupancy.split(",") if k]
+    variants = [None] + [int(k) for k in args.occupancy.split(",") if k] + (["separate carry"] if
+                                                                             args.separate_carry else [])
     rows = []
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
@@ -58,7 +64,8 @@ def main():
         first = None
         for occ in variants:
             launch.HINT_OVERRIDE.clear()
-            if occ is not None:
+            launch_bwd.SEPARATE_CARRY_GRAD = occ == "separate carry"
+            if isinstance(occ, int):
                 launch.HINT_OVERRIDE.update({name: {"occupancy": occ} for name in launch_bwd.HINTED})
             try:
                 grads = both()
@@ -78,6 +85,7 @@ def main():
                 print(f"    {ms:8.3f}  {name}", flush=True)
             print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
         launch.HINT_OVERRIDE.clear()
+        launch_bwd.SEPARATE_CARRY_GRAD = False
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
