@@ -114,6 +114,19 @@ def test_bench_check_reports_m2ops_errors_against_the_reference(tmp_path):
     assert "m2ops error y / final" in table
 
 
+def test_bench_spreads_rows_over_gpus(tmp_path):
+    """--gpus 0,1: each row (a shape with its peers) on one GPU's workers (CUDA_VISIBLE_DEVICES), the next
+    row on whichever is free; one results file and one table for all of them."""
+    results, table = _bench(tmp_path, "--peers", "m2ops,m2ops-default", "--seqlens", "64,100,160", "--gpus", "0,1")
+    assert len(results) == 6 and all(r["ms"] > 0 for r in results)
+    by_key = {}
+    for r in results:
+        by_key.setdefault(r["key"], set()).add(r["gpu"])
+    assert all(len(g) == 1 for g in by_key.values())  # a row's peers share a GPU
+    assert set().union(*by_key.values()) == {"0", "1"}
+    assert all(f"| {t} | 16 |" in table for t in (64, 100, 160))
+
+
 def test_bench_backward_check_reports_gradient_errors(tmp_path):
     results, table = _bench(tmp_path, "--peers", "m2ops", "--check", "--backward")
     (r,) = results

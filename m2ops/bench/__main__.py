@@ -1,16 +1,19 @@
 """python -m m2ops.bench: m2ops side by side with mamba_ssm and TileGym (DESIGN.md §4).
 
 Each peer runs in its own worker process, restarted after any failed point; errors and timeouts are recorded
-with the result. Writes
+with the result. With --gpus, rows (a shape with all its peers) run on several GPUs side by side, each GPU
+with its own workers. Writes
 results.json (merged with an earlier run's under --resume), results.md and speedup.png under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
+import threading
 import time
 
 from .peers import PEERS
@@ -36,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per point before it is recorded as a timeout")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--gpus", default=None,
+                   help="comma-separated CUDA device indices, e.g. 0,1: each row (a shape with all its peers) runs on "
+                        "one of them, the next row on whichever is free first (default: the one visible device)")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
     p.add_argument("--check", action="store_true",
@@ -54,22 +60,57 @@ def _progress(total):
         return None
 
 
-def _measure(pool, a, shape, peer, mode, results, path, bar, counter):
+class _Progress:
+    """Results, their JSON file and the progress display, shared by the GPUs' threads."""
+
+    def __init__(self, results, path, total):
+        self.results, self.path, self.total = results, path, total
+        self.lock = threading.Lock()
+        self.count = 0
+        self.bar = _progress(total)
+
+    def add(self, r, msg):
+        with self.lock:
+            self.results.append(r)
+            with open(self.path, "w") as f:  # after every point: a killed run keeps what it measured
+                json.dump(self.results, f, indent=1)
+            self.count += 1
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.write(msg)
+            else:
+                print(f"[{self.count}/{self.total}] {msg}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _measure(pool, a, shape, peer, mode, progress, gpu=None):
     job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
                device=a.device, backward=a.backward, check=a.check)
     t0 = time.perf_counter()
     r = pool.run(peer, job, a.timeout)
     r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(), floor_ms=shape.floor_ms(backward=a.backward),
              wall_s=round(time.perf_counter() - t0, 1))
-    results.append(r)
-    with open(path, "w") as f:  # after every point: a killed run keeps what it measured
-        json.dump(results, f, indent=1)
-    msg = f"{peer:>15} {shape.key}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:100])
-    if bar is not None:
-        bar.update(1)
-        bar.write(msg)
-    else:
-        print(f"{counter} {msg}", flush=True)
+    if gpu is not None:
+        r["gpu"] = gpu
+    msg = (f"{peer:>15} {shape.key}" + (f" (GPU {gpu})" if gpu is not None else "") + ": "
+           + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:100]))
+    progress.add(r, msg)
+
+
+def _serve(rows, lock, a, mode, progress, gpu=None):
+    """Measure rows, taken one at a time from the shared queue, until none is left."""
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    with Pool(env=env) as pool:
+        while True:
+            with lock:
+                if not rows:
+                    return
+                shape, row_peers = rows.popleft()
+            for peer in row_peers:
+                _measure(pool, a, shape, peer, mode, progress, gpu)
 
 
 def main(argv=None):
@@ -89,13 +130,20 @@ def main(argv=None):
             results = json.load(f)
     done = {(r["peer"], r["key"], r.get("mode", "fwd")) for r in results if "ms" in r}
     results = [r for r in results if (r["peer"], r["key"], r.get("mode", "fwd")) in done]
-    todo = [(s, p) for s in shapes for p in peers if (p, s.key, mode) not in done]
-    bar = _progress(len(todo))
-    with Pool() as pool:
-        for i, (shape, peer) in enumerate(todo):
-            _measure(pool, a, shape, peer, mode, results, path, bar, f"[{i + 1}/{len(todo)}]")
-    if bar is not None:
-        bar.close()
+    rows = collections.deque((s, todo) for s in shapes
+                             for todo in [[p for p in peers if (p, s.key, mode) not in done]] if todo)
+    progress = _Progress(results, path, sum(len(todo) for _, todo in rows))
+    lock = threading.Lock()
+    gpus = [g.strip() for g in a.gpus.split(",") if g.strip()] if a.gpus else []
+    if len(gpus) <= 1:
+        _serve(rows, lock, a, mode, progress, gpus[0] if gpus else None)
+    else:
+        threads = [threading.Thread(target=_serve, args=(rows, lock, a, mode, progress, g)) for g in gpus]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    progress.close()
     results = [r for r in results if r.get("mode", "fwd") == mode]  # the table and plot of this mode
     order = [p for p in PEERS if p in {r["peer"] for r in results}]
     table = f"{mode}, ms\n\n" + markdown(results, order)

@@ -13,11 +13,11 @@ import time
 
 
 class _Worker:
-    def __init__(self, cmd=None):
+    def __init__(self, cmd=None, env=None):
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr, for the tail of a crash report
         self.proc = subprocess.Popen(cmd or [sys.executable, "-m", "m2ops.bench.worker", "--serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, env=env)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
         self.pending = b""  # stdout read but not yet split into lines
@@ -63,17 +63,19 @@ class _Worker:
 
 
 class Pool:
-    """pool.run(peer, job, timeout) -> the worker's result dict; a worker per peer, started on demand."""
+    """pool.run(peer, job, timeout) -> the worker's result dict; a worker per peer, started on demand (with
+    env as its environment, e.g. CUDA_VISIBLE_DEVICES naming its GPU; default: this process's)."""
 
-    def __init__(self):
+    def __init__(self, env=None):
         self.workers: dict = {}
+        self.env = env
 
     def run(self, peer: str, job: dict, timeout: float) -> dict:
         w = self.workers.get(peer)
         if w is None or not w.alive():
             if w is not None:
                 w.stop()
-            w = self.workers[peer] = _Worker()
+            w = self.workers[peer] = _Worker(env=self.env)
         result = w.ask(job, timeout)
         if "error" in result:  # the worker exits after a failure; the next point gets a fresh one
             w.stop()
