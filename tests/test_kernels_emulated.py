@@ -462,6 +462,29 @@ def test_compute_out_backward_kernels(kw):
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
 
 
+@pytest.mark.parametrize("programs_per_sm,seq_idx", [(4, True), (10_000, False)])
+def test_dcbw_prefetch_gives_the_same_gradients(monkeypatch, programs_per_sm, seq_idx):
+    """launch_bwd.DCBW_PREFETCH (an experiment, off): out_bwd_dcbw with the next head's tiles loaded ahead forms
+    the same products in the same order, so every gradient of compute_out_bwd is the same bits; with one
+    program for all of a group's heads and with the heads split over several (DCBW_PROGRAMS_PER_SM), and
+    headdim 80 (two headdim tiles, the second loaded as before)."""
+    from m2ops.kernels import launch_bwd
+    case = make_case(dtype=torch.bfloat16, device="cpu", chunk_size=128, seqlen=260, nheads=6, ngroups=2,
+                     headdim=80, dstate=16, D="h", seq_idx=seq_idx, nseqs=3, seed=13)
+    y_ref, _, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(13)
+    g_y = torch.randn(y_ref.shape, generator=gen).to(y_ref.dtype)
+    args = (g_y, case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"],
+            None, case["seq_idx"])
+    monkeypatch.setattr(launch_bwd, "DCBW_PROGRAMS_PER_SM", programs_per_sm)
+    with emulated_kernels(sm_count=1):
+        plain = launch_bwd.compute_out_bwd(*args)
+        monkeypatch.setattr(launch_bwd, "DCBW_PREFETCH", True)
+        ahead = launch_bwd.compute_out_bwd(*args)
+    for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D"), ahead, plain):
+        assert torch.equal(a, b), name
+
+
 def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     """The tuner inside the chunk_scan launcher: each candidate is timed (a fake timer here, that prefers the
     fused path at 8 programs per SM), the winner runs and is stored, and a later call reads it back without

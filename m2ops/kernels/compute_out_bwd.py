@@ -155,13 +155,34 @@ def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
     return gw
 
 
+def _gx_first(G, x, b, h, rb, jrow, BL, TP, LOWP):
+    """Head h's tiles of G (row block rb) and x (column block jrow) in headdim tile 0, as _gx loads them."""
+    gm = _g_rows(G, b, rb, h, 0, BL, TP, LOWP)
+    xj = ct.load(x, (b, jrow, h, 0), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+    return gm, xj
+
+
+def _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
+    """_gx with headdim tile 0's tiles already loaded (gm, xj): the same products in the same order."""
+    gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), ct.zeros((BL, BL), dtype=ct.float32))
+    for pt in range(1, n_ptiles):
+        gm = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
+        xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), gw)
+    return gw
+
+
 @ct.kernel
 def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big,
                         g_cb_part: Big, p_cs: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_split: int,
-                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
+                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool,
+                        PF: ConstBool):
     # One program per (row block m, column block j, group, head split), j > m idle. A split's heads are
-    # summed into its own dCB slot; the splits only exist to fill the GPU at short sequences.
+    # summed into its own dCB slot; the splits only exist to fill the GPU at short sequences. With PF (an
+    # experiment, launch_bwd.DCBW_PREFETCH) the next head's G and x tiles are loaded while this head's are
+    # used: at long sequences a program walks all of a group's heads (80 at the benchmark shape) one after
+    # another, each step waiting on its loads.
     pid = ct.bid(0)
     b = ct.bid(1)
     nb = L // BL
@@ -185,11 +206,18 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
         h0 = g * heads_per_group + sp * per
         h1 = g * heads_per_group + ct.minimum((sp + 1) * per, heads_per_group)
         acc = ct.zeros((BL, BL), dtype=ct.float32)
+        gm_n, xj_n = _gx_first(G, x, b, h0, rb, jrow, BL, TP, LOWP)  # (unused without PF)
         if m == j:
             for h in range(h0, h1):
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
-                v = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * diag_decay(cs_m, keep)
+                if PF:
+                    gm, xj = gm_n, xj_n
+                    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h1 - 1), rb, jrow, BL, TP, LOWP)
+                    gx = _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                else:
+                    gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                v = gx * diag_decay(cs_m, keep)
                 vd = v * dt_j[None, :]
                 # Without each token's own term, as out_bwd_dx leaves it out of the column sums.
                 ct.store(p_cs, (b, h, m, rb),
@@ -203,7 +231,13 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 cs_p = ct.load(dA_cumsum, (b, h, c, p), shape=())
                 r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
                 qd = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL)) * _vec(dt_out, b, h, c, j, BL)
-                u = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP) * r[:, None]
+                if PF:
+                    gm, xj = gm_n, xj_n
+                    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h1 - 1), rb, jrow, BL, TP, LOWP)
+                    gx = _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                else:
+                    gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                u = gx * r[:, None]
                 if HAS_SEQ:
                     u = ct.where(keep, u, 0.0)
                 ud = u * qd[None, :]

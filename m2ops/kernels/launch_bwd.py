@@ -34,9 +34,10 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-# Experiment (off; tests/gpu/backward_scan.py --separate-carry): state_passing_bwd's walk without the per-chunk
-# block sum of gcarry, which state_carry_grad_kernel forms afterwards in parallel (state_pass_bwd.py). The walk
-# measured 0.85 ms at T=64K, H=80, dstate 64 on an H200 against 0.16 for the forward's walk over the same bytes.
+# Experiment (off; tests/gpu/backward_scan.py --variants "separate carry"): state_passing_bwd's walk without the
+# per-chunk block sum of gcarry, which state_carry_grad_kernel forms afterwards in parallel (state_pass_bwd.py).
+# The walk measured 0.85 ms at T=64K, H=80, dstate 64 on an H200 against 0.16 for the forward's walk over the
+# same bytes.
 SEPARATE_CARRY_GRAD = False
 
 
@@ -178,6 +179,12 @@ def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "floa
                 LOWP=g_dtype_name(dtype) == "bfloat16")
 
 
+# Experiment (off; tests/gpu/backward_scan.py --variants "dcbw prefetch"): out_bwd_dcbw loads the next head's G
+# and x tiles while it works on this head's (compute_out_bwd.py, PF). At 64K tokens, 80 heads in one group, a
+# program walks all 80 heads in turn; the kernel took 1.24 ms at 64K/N=64 on an H200, 16% of the backward there.
+DCBW_PREFETCH = False
+
+
 # Programs per SM out_bwd_dcbw aims for: its (row block, column block, group) pairs are split over the group's
 # heads until there are this many (at 4K tokens, chunk 256 and one group only 160 pairs hold work).
 DCBW_PROGRAMS_PER_SM = 4
@@ -245,7 +252,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     n_split = dcbw_split(b * cdiv(n_rblocks * (nb + 1), 2) * g, h // g, dev)
     g_cb_part = torch.empty((b, n_split, nchunks, g, L, L), dtype=torch.float32, device=dev)
     launch._launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
-                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs, T, g, h // g, n_ptiles, n_split, *consts3))
+                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs, T, g, h // g, n_ptiles, n_split, *consts3,
+                    bool(DCBW_PREFETCH)))
     g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)

@@ -283,8 +283,11 @@ def all_specs() -> list[Spec]:
                 for sd in sorted(set(launch.entering_dtype_names(dt)) - {F32}):
                     out.append(Spec("out_bwd_dcdb", dt, k4, _params("out_bwd_dcdb", dt, g_dtype=gd, state_dtype=sd),
                                     _hints("out_bwd_dcdb", dt, L), dtypes=extra + (("states", sd),)))
-                for name in ("out_bwd_dcbw", "out_bwd_dx"):
-                    out.append(Spec(name, dt, k3, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
+                out.append(Spec("out_bwd_dx", dt, k3, _params("out_bwd_dx", dt, g_dtype=gd),
+                                _hints("out_bwd_dx", dt, L), dtypes=extra))
+                for pf in (False, True):  # the next head's tiles loaded ahead (launch_bwd.DCBW_PREFETCH)
+                    out.append(Spec("out_bwd_dcbw", dt, {**k3, "PF": pf}, _params("out_bwd_dcbw", dt, g_dtype=gd),
+                                    _hints("out_bwd_dcbw", dt, L), dtypes=extra))
     g_locals = sorted({launch_bwd.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
     # (states dtype, glocal dtype): float32 states with each glocal, and the forward's bfloat16 entering states
     # with bfloat16 activations' glocal (m2ops/ops/eager.py)

@@ -13,8 +13,7 @@ them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M
 with ct.kernel occupancy k (launch.HINT_OVERRIDE), each variant's gradients compared with the first run's,
 so that one run gives each kernel's time at each occupancy.
 
---separate-carry: the same again with launch_bwd.SEPARATE_CARRY_GRAD on (state_passing_bwd's walk without the
-per-chunk sum of gcarry, state_carry_grad_kernel forming it afterwards), gradients compared likewise.
+--variants a,b,...: the same again with each experiment of VARIANTS on, gradients compared likewise.
 """
 
 from __future__ import annotations
@@ -30,6 +29,14 @@ from gpu_cases import forward_and_backward, rel_err, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import launch, launch_bwd  # noqa: E402
+
+# Experiments of the backward, each a launch_bwd switch that is off by default.
+VARIANTS = {
+    # state_passing_bwd's walk without the per-chunk sum of gcarry; state_carry_grad_kernel forms it afterwards
+    "separate carry": "SEPARATE_CARRY_GRAD",
+    # out_bwd_dcbw loads the next head's G and x tiles while it works on this head's
+    "dcbw prefetch": "DCBW_PREFETCH",
+}
 
 
 def _kernel_name(key: str) -> str:
@@ -51,11 +58,13 @@ def main():
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--json", default=None)
     ap.add_argument("--occupancy", default="", help="e.g. 2,3,4: also time the backward kernels at these")
-    ap.add_argument("--separate-carry", action="store_true",
-                    help="also time the backward with launch_bwd.SEPARATE_CARRY_GRAD on")
+    ap.add_argument("--variants", default="", help=f"comma-separated, from: {', '.join(VARIANTS)}")
     args = ap.parse_args()
-    variants = [None] + [int(k) for k in args.occupancy.split(",") if k] + (["separate carry"] if
-                                                                             args.separate_carry else [])
+    variants = ([None] + [int(k) for k in args.occupancy.split(",") if k]
+                + [v for v in args.variants.split(",") if v])
+    unknown = [v for v in variants if isinstance(v, str) and v not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     rows = []
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
@@ -64,7 +73,8 @@ def main():
         first = None
         for occ in variants:
             launch.HINT_OVERRIDE.clear()
-            launch_bwd.SEPARATE_CARRY_GRAD = occ == "separate carry"
+            for name, switch in VARIANTS.items():
+                setattr(launch_bwd, switch, occ == name)
             if isinstance(occ, int):
                 launch.HINT_OVERRIDE.update({name: {"occupancy": occ} for name in launch_bwd.HINTED})
             try:
@@ -85,7 +95,8 @@ def main():
                 print(f"    {ms:8.3f}  {name}", flush=True)
             print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
         launch.HINT_OVERRIDE.clear()
-        launch_bwd.SEPARATE_CARRY_GRAD = False
+        for switch in VARIANTS.values():
+            setattr(launch_bwd, switch, False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
