@@ -145,31 +145,34 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     ct.store(g_x, (b, rb, h, pt), acc.astype(g_x.dtype).reshape((1, BL, 1, TP)))
 
 
-def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
-    """G_m x_j^T (BL, BL) for head h: row block rb of G against column block jrow of x."""
-    gw = ct.zeros((BL, BL), dtype=ct.float32)
-    for pt in range(n_ptiles):
-        gm = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
-        xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), gw)
-    return gw
-
-
 def _gx_first(G, x, b, h, rb, jrow, BL, TP, LOWP):
-    """Head h's tiles of G (row block rb) and x (column block jrow) in headdim tile 0, as _gx loads them."""
+    """Head h's tiles of G (row block rb) and x (column block jrow) in headdim tile 0."""
     gm = _g_rows(G, b, rb, h, 0, BL, TP, LOWP)
     xj = ct.load(x, (b, jrow, h, 0), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
     return gm, xj
 
 
 def _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
-    """_gx with headdim tile 0's tiles already loaded (gm, xj): the same products in the same order."""
+    """G_m x_j^T (BL, BL) for head h, headdim tile 0's tiles given (gm, xj, _gx_first's), the others loaded."""
     gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), ct.zeros((BL, BL), dtype=ct.float32))
     for pt in range(1, n_ptiles):
         gm = _g_rows(G, b, rb, h, pt, BL, TP, LOWP)
         xj = ct.load(x, (b, jrow, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         gw = ct.mma(_op(gm, LOWP), _op(ct.transpose(xj), LOWP), gw)
     return gw
+
+
+def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
+    """G_m x_j^T (BL, BL) for head h: row block rb of G against column block jrow of x."""
+    gm, xj = _gx_first(G, x, b, h, rb, jrow, BL, TP, LOWP)
+    return _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+
+
+def _gx_ahead(gm, xj, G, x, b, h, h_last, rb, jrow, n_ptiles, BL, TP, LOWP):
+    """_gx of head h from its tile-0 tiles loaded one head earlier (gm, xj), and the next head's tile-0 tiles
+    (head h_last's again at the end, unused) loaded while it is formed: (gx, next gm, next xj)."""
+    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h_last), rb, jrow, BL, TP, LOWP)
+    return _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP), gm_n, xj_n
 
 
 @ct.kernel
@@ -206,15 +209,14 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
         h0 = g * heads_per_group + sp * per
         h1 = g * heads_per_group + ct.minimum((sp + 1) * per, heads_per_group)
         acc = ct.zeros((BL, BL), dtype=ct.float32)
-        gm_n, xj_n = _gx_first(G, x, b, h0, rb, jrow, BL, TP, LOWP)  # (unused without PF)
+        if PF:
+            gm_n, xj_n = _gx_first(G, x, b, h0, rb, jrow, BL, TP, LOWP)
         if m == j:
             for h in range(h0, h1):
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
                 if PF:
-                    gm, xj = gm_n, xj_n
-                    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h1 - 1), rb, jrow, BL, TP, LOWP)
-                    gx = _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                    gx, gm_n, xj_n = _gx_ahead(gm_n, xj_n, G, x, b, h, h1 - 1, rb, jrow, n_ptiles, BL, TP, LOWP)
                 else:
                     gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
                 v = gx * diag_decay(cs_m, keep)
@@ -232,9 +234,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
                 qd = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL)) * _vec(dt_out, b, h, c, j, BL)
                 if PF:
-                    gm, xj = gm_n, xj_n
-                    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h1 - 1), rb, jrow, BL, TP, LOWP)
-                    gx = _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                    gx, gm_n, xj_n = _gx_ahead(gm_n, xj_n, G, x, b, h, h1 - 1, rb, jrow, n_ptiles, BL, TP, LOWP)
                 else:
                     gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
                 u = gx * r[:, None]

@@ -29,7 +29,7 @@ import cuda.tile as ct
 
 from .common import Big, ConstBool, ConstInt
 from .common import mma_operand as _op
-from .state_passing import _chunk_inputs
+from .state_passing import _chunk_carry, _chunk_inputs
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -51,12 +51,12 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         # with the per-chunk block sum still in the loop made it slower (0.95). Here the loop holds neither
         # the sum nor the states' reads: only chunk c - 1's carry and g_states block, read ahead.
         c = nchunks - 1
-        carry = _chunk_carry(dA_cumsum, seq_idx, b, c, h, seqlen, L, HAS_SEQ)
+        carry = _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         for i in range(nchunks):
             c = nchunks - 1 - i
             prv = ct.maximum(c - 1, 0)  # at c = 0 chunk 0 is read again, unused
-            carry_p = _chunk_carry(dA_cumsum, seq_idx, b, prv, h, seqlen, L, HAS_SEQ)
+            carry_p = _chunk_carry(dA_cumsum, seq_idx, b, h, prv, seqlen, L, HAS_SEQ)
             gst_p = ct.load(g_states, (b, prv, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
             ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
             g = gst + carry * g
@@ -72,17 +72,6 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         g = gst + carry * g
     ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
-
-
-def _chunk_carry(dA_cumsum, seq_idx, b, c, h, seqlen, L, HAS_SEQ):
-    """exp(cs_last) of chunk c, 0.0 where the state entering it does not survive it (state_passing's rule)."""
-    carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
-    if HAS_SEQ:
-        start = c * L
-        seq_last = ct.load(seq_idx, (b, ct.minimum(start + L - 1, seqlen - 1)), shape=())
-        seq_prev = ct.where(c == 0, 0, ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=()))
-        carry = ct.where(seq_last == seq_prev, carry, 0.0)
-    return carry
 
 
 @ct.kernel

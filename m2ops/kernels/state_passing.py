@@ -40,6 +40,12 @@ def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_
     survives the chunk (as 1.0 / 0.0 folded into the decay)."""
     local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
                     latency=LAT).reshape((BLK,)).astype(ct.float32)  # bfloat16 local states: SEP only
+    return local, _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
+
+
+def _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
+    """exp(cs_last) of chunk c, 0.0 where the state entering it does not survive it (its last token is of
+    another sequence than the token before the chunk; sequence 0 owns initial_states)."""
     carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
     if HAS_SEQ:
         start = c * L
@@ -47,7 +53,7 @@ def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_
         seq_prev = ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
         carry = ct.where(seq_last == seq_prev, carry, 0.0)
-    return local, carry
+    return carry
 
 
 @ct.kernel
