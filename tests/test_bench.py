@@ -127,6 +127,16 @@ def test_bench_spreads_rows_over_gpus(tmp_path):
     assert all(f"| {t} | 16 |" in table for t in (64, 100, 160))
 
 
+def test_bench_rejects_bad_gpu_lists():
+    import pytest
+
+    from m2ops.bench.__main__ import parse_args
+    assert parse_args(["--gpus", "0, 1"]).gpus == ["0", "1"]
+    for bad in ("cuda:0", "0,0", ",", "-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gpus", bad])
+
+
 def test_bench_backward_check_reports_gradient_errors(tmp_path):
     results, table = _bench(tmp_path, "--peers", "m2ops", "--check", "--backward")
     (r,) = results

@@ -22,6 +22,14 @@ from .report import markdown, plot
 from .shapes import grid, parse_sizes
 
 
+def _gpu_list(text: str) -> list[str]:
+    """--gpus: comma-separated CUDA device indices (what CUDA_VISIBLE_DEVICES takes for one device)."""
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"expected distinct CUDA device indices such as 0,1; got {text!r}")
+    return gpus
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m m2ops.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per point before it is recorded as a timeout")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    p.add_argument("--gpus", default=None,
+    p.add_argument("--gpus", type=_gpu_list, default=[],
                    help="comma-separated CUDA device indices, e.g. 0,1: each row (a shape with all its peers) runs on "
                         "one of them, the next row on whichever is free first (default: the one visible device)")
     p.add_argument("--out", default="bench-results")
@@ -134,7 +142,7 @@ def main(argv=None):
                              for todo in [[p for p in peers if (p, s.key, mode) not in done]] if todo)
     progress = _Progress(results, path, sum(len(todo) for _, todo in rows))
     lock = threading.Lock()
-    gpus = [g.strip() for g in a.gpus.split(",") if g.strip()] if a.gpus else []
+    gpus = a.gpus
     if len(gpus) <= 1:
         _serve(rows, lock, a, mode, progress, gpus[0] if gpus else None)
     else:
