@@ -11,6 +11,7 @@ runs them on the CPU in CI (tests/test_kernels_emulated.py) and tests/gpu/test_b
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -37,8 +38,8 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 # Experiment (off; tests/gpu/backward_scan.py --variants "separate carry"): state_passing_bwd's walk without the
 # per-chunk block sum of gcarry, which state_carry_grad_kernel forms afterwards in parallel (state_pass_bwd.py).
 # The walk measured 0.85 ms at T=64K, H=80, dstate 64 on an H200 against 0.16 for the forward's walk over the
-# same bytes.
-SEPARATE_CARRY_GRAD = False
+# same bytes. M2OPS_BWD_SEPARATE_CARRY=1 turns it on in a process (and its bench workers).
+SEPARATE_CARRY_GRAD = os.environ.get("M2OPS_BWD_SEPARATE_CARRY", "0") == "1"
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True) -> dict:
@@ -182,7 +183,8 @@ def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "floa
 # Experiment (off; tests/gpu/backward_scan.py --variants "dcbw prefetch"): out_bwd_dcbw loads the next head's G
 # and x tiles while it works on this head's (compute_out_bwd.py, PF). At 64K tokens, 80 heads in one group, a
 # program walks all 80 heads in turn; the kernel took 1.24 ms at 64K/N=64 on an H200, 16% of the backward there.
-DCBW_PREFETCH = False
+# M2OPS_BWD_DCBW_PREFETCH=1 turns it on.
+DCBW_PREFETCH = os.environ.get("M2OPS_BWD_DCBW_PREFETCH", "0") == "1"
 
 
 # Programs per SM out_bwd_dcbw aims for: its (row block, column block, group) pairs are split over the group's
