@@ -634,12 +634,13 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("dtype,seq_idx,given_states", [(torch.bfloat16, True, True), (torch.float32, False, False),
-                                                         (torch.bfloat16, False, False)])
-def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states):
-    """launch_bwd.SEPARATE_CARRY_GRAD (an experiment, off): state_passing_bwd walks without gcarry and
-    state_carry_grad forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as
-    with gcarry in the walk, also from the forward's bfloat16 entering states (the eager path's)."""
+@pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block", [
+    (torch.bfloat16, True, True, 256), (torch.float32, False, False, 1024), (torch.bfloat16, False, False, 128)])
+def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block):
+    """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
+    forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
+    walk, also from the forward's bfloat16 entering states (the eager path's). The state here has 512
+    elements: state_carry_grad's loop takes 4 or 2 full blocks, or one block half past its end."""
     from m2ops.kernels import launch_bwd
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
@@ -652,6 +653,7 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
     monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
+    monkeypatch.setattr(launch_bwd, "CARRY_BLOCK", carry_block)
     names = []
     with emulated_kernels():
         emulated = launch._launch
@@ -667,6 +669,18 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
+
+
+def test_separate_carry_grad_rule(monkeypatch):
+    """gcarry leaves the walk for walk blocks up to SEPARATE_CARRY_MAX_BLOCK unless SEPARATE_CARRY_GRAD forces
+    a way."""
+    from m2ops.kernels import launch_bwd
+    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", None)
+    top = launch_bwd.SEPARATE_CARRY_MAX_BLOCK
+    assert launch_bwd.separate_carry_grad(top) and not launch_bwd.separate_carry_grad(2 * top)
+    for forced in (True, False):
+        monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", forced)
+        assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
 
 
 def test_every_launch_above_is_a_compiled_specialisation():

@@ -35,11 +35,24 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
     return dict(L=chunk_size, BH=TILE_H)
 
 
-# Experiment (off; tests/gpu/backward_scan.py --variants "separate carry"): state_passing_bwd's walk without the
-# per-chunk block sum of gcarry, which state_carry_grad_kernel forms afterwards in parallel (state_pass_bwd.py).
-# The walk measured 0.85 ms at T=64K, H=80, dstate 64 on an H200 against 0.16 for the forward's walk over the
-# same bytes. M2OPS_BWD_SEPARATE_CARRY=1 turns it on in a process (and its bench workers).
-SEPARATE_CARRY_GRAD = os.environ.get("M2OPS_BWD_SEPARATE_CARRY", "0") == "1"
+# gcarry_c = <gS_{c+1}, S_c> in state_passing_bwd's walk (a block sum per chunk, which synchronises the program at
+# every step) or apart from it, in state_carry_grad_kernel over all chunks at once. On an H200 at T=64K, H=80,
+# dstate 64 the walk took 0.85 ms with the sum and 0.16 without; at T=16K, dstate 512 0.38 and 0.30, where the
+# separate kernel reads 8x the bytes per chunk. None: separate_carry_grad's rule; True / False force one way
+# (tests/gpu/backward_scan.py --variants); M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its
+# bench workers.
+SEPARATE_CARRY_GRAD = {"1": True, "0": False}.get(os.environ.get("M2OPS_BWD_SEPARATE_CARRY", ""))
+# Elements per step of state_carry_grad_kernel's loop over one state.
+CARRY_BLOCK = 1024
+# The largest walk block (launch.state_passing_block) at which the sum is taken apart from the walk.
+SEPARATE_CARRY_MAX_BLOCK = 2048
+
+
+def separate_carry_grad(block: int) -> bool:
+    """Whether gcarry is formed apart from the walk, given the walk's block of state elements per program."""
+    if SEPARATE_CARRY_GRAD is not None:
+        return SEPARATE_CARRY_GRAD
+    return block <= SEPARATE_CARRY_MAX_BLOCK
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True) -> dict:
@@ -107,17 +120,20 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     n_blocks = cdiv(pn, blk)
     g_local = torch.empty((b, nchunks, h, p, n), device=dev,
                           dtype=getattr(torch, g_local_dtype_name(launch._dtype_name(mma_dtype))))
-    g_carry_part = torch.empty((b, h, nchunks, n_blocks), dtype=torch.float32, device=dev)
+    separate = separate_carry_grad(blk)
+    # gcarry's shares: one per walk block, or one per chunk from state_carry_grad_kernel
+    g_carry_part = torch.empty((b, h, nchunks, 1 if separate else n_blocks), dtype=torch.float32, device=dev)
     g_init = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
-    ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not SEPARATE_CARRY_GRAD)
+    ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not separate)
     launch._launch((h * n_blocks, b, 1), state_passing_bwd_kernel,
             (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
              _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
              T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"]))
     if not ks["GC"]:
-        launch._launch((nchunks * h * n_blocks, b, 1), state_carry_grad_kernel,
-                (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h, n_blocks, blk))
+        launch._launch((nchunks * h, b, 1), state_carry_grad_kernel,
+                (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
+                 cdiv(pn, CARRY_BLOCK), CARRY_BLOCK))
 
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
     k = chunk_state_bwd_constants(L, has_seq, launch._dtype_name(mma_dtype))

@@ -294,16 +294,18 @@ def all_specs() -> list[Spec]:
     pairs = [(F32, gl) for gl in g_locals] + sorted(
         {(sd, launch_bwd.g_local_dtype_name(dt)) for dt in INPUT_DTYPES
          for sd in set(launch.entering_dtype_names(dt)) - {F32}})
+    for sd, gl in pairs:
+        extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
+        out.append(Spec("state_carry_grad", F32, dict(BLK=launch_bwd.CARRY_BLOCK),
+                        _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
     for blk in STATE_BLOCKS:
         for sd, gl in pairs:
             extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
             for has_seq in (False, True):
-                # with gcarry in the walk, and without it (launch_bwd.SEPARATE_CARRY_GRAD)
+                # with gcarry in the walk, and without it (launch_bwd.separate_carry_grad)
                 for gc in (True, False):
                     out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq, gc),
                                     _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
-            out.append(Spec("state_carry_grad", F32, dict(BLK=blk),
-                            _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):

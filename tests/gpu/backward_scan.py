@@ -30,14 +30,16 @@ from gpu_cases import forward_and_backward, rel_err, scan_case  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import launch, launch_bwd  # noqa: E402
 
-# Experiments of the backward, each a launch_bwd switch that is off by default.
+# Variants of the backward: a launch_bwd switch and its value in the variant (the default run has each switch at
+# DEFAULTS' value).
 VARIANTS = {
-    # state_passing_bwd's walk without the per-chunk sum of gcarry; state_carry_grad_kernel forms it afterwards
-    "separate carry": "SEPARATE_CARRY_GRAD",
+    # gcarry apart from state_passing_bwd's walk (state_carry_grad_kernel), or in it, whatever the rule says
+    "separate carry": ("SEPARATE_CARRY_GRAD", True),
+    "carry in walk": ("SEPARATE_CARRY_GRAD", False),
     # out_bwd_dcbw loads the next head's G and x tiles while it works on this head's
-    "dcbw prefetch": "DCBW_PREFETCH",
+    "dcbw prefetch": ("DCBW_PREFETCH", True),
 }
-
+DEFAULTS = {"SEPARATE_CARRY_GRAD": None, "DCBW_PREFETCH": False}
 
 def _kernel_name(key: str) -> str:
     """A cuTile symbol's kernel name ('compute_out_kernel_Kt2_A4...' -> 'compute_out_kernel'); others as is."""
@@ -73,8 +75,10 @@ def main():
         first = None
         for occ in variants:
             launch.HINT_OVERRIDE.clear()
-            for name, switch in VARIANTS.items():
-                setattr(launch_bwd, switch, occ == name)
+            for switch, value in DEFAULTS.items():
+                setattr(launch_bwd, switch, value)
+            if isinstance(occ, str):
+                setattr(launch_bwd, *VARIANTS[occ])
             if isinstance(occ, int):
                 launch.HINT_OVERRIDE.update({name: {"occupancy": occ} for name in launch_bwd.HINTED})
             try:
@@ -95,8 +99,8 @@ def main():
                 print(f"    {ms:8.3f}  {name}", flush=True)
             print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
         launch.HINT_OVERRIDE.clear()
-        for switch in VARIANTS.values():
-            setattr(launch_bwd, switch, False)
+        for switch, value in DEFAULTS.items():
+            setattr(launch_bwd, switch, value)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
