@@ -653,7 +653,8 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
     monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
-    monkeypatch.setattr(launch_bwd, "CARRY_BLOCK", carry_block)
+    if carry_block != launch_bwd.CARRY_BLOCK:
+        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
     names = []
     with emulated_kernels():
         emulated = launch._launch

@@ -131,9 +131,10 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
              T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"]))
     if not ks["GC"]:
+        cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", CARRY_BLOCK)
         launch._launch((nchunks * h, b, 1), state_carry_grad_kernel,
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
-                 cdiv(pn, CARRY_BLOCK), CARRY_BLOCK))
+                 cdiv(pn, cblk), cblk))
 
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
     k = chunk_state_bwd_constants(L, has_seq, launch._dtype_name(mma_dtype))
