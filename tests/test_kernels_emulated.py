@@ -635,12 +635,12 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
 
 
 @pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block", [
-    (torch.bfloat16, True, True, 256), (torch.float32, False, False, 1024), (torch.bfloat16, False, False, 128)])
+    (torch.bfloat16, True, True, 256), (torch.float32, False, False, None), (torch.bfloat16, False, False, 1024)])
 def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block):
     """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
     forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
     walk, also from the forward's bfloat16 entering states (the eager path's). The state here has 512
-    elements: state_carry_grad's loop takes 4 or 2 full blocks, or one block half past its end."""
+    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end."""
     from m2ops.kernels import launch_bwd
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
@@ -653,7 +653,7 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
     monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
-    if carry_block != launch_bwd.CARRY_BLOCK:
+    if carry_block is not None:  # else launch_bwd.carry_block's choice
         monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
     names = []
     with emulated_kernels():
@@ -679,6 +679,7 @@ def test_separate_carry_grad_rule(monkeypatch):
     monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", None)
     top = launch_bwd.SEPARATE_CARRY_MAX_BLOCK
     assert launch_bwd.separate_carry_grad(top) and not launch_bwd.separate_carry_grad(2 * top)
+    assert [launch_bwd.carry_block(n) for n in (100, 512, 4096, 8192, 64 * 96)] == [512, 512, 4096, 4096, 4096]
     for forced in (True, False):
         monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", forced)
         assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced

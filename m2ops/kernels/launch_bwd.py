@@ -19,7 +19,7 @@ from ..meta.shapes import num_chunks
 from ..reference import chunked_backward as ref_bwd
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
-from .common import TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
+from .common import STATE_BLOCKS, TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
 from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, chunk_cb_constants, compute_out,
                      fwd_pass_state, state_passing_block)
@@ -36,16 +36,14 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 
 
 # gcarry_c = <gS_{c+1}, S_c> in state_passing_bwd's walk (a block sum per chunk, which synchronises the program at
-# every step) or apart from it, in state_carry_grad_kernel over all chunks at once. On an H200 at T=64K, H=80,
-# dstate 64 the walk took 0.85 ms with the sum and 0.16 without; at T=16K, dstate 512 0.38 and 0.30, where the
-# separate kernel reads 8x the bytes per chunk. None: separate_carry_grad's rule; True / False force one way
-# (tests/gpu/backward_scan.py --variants); M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its
-# bench workers.
+# every step) or apart from it, in state_carry_grad_kernel over all chunks at once. On an H200 (B=1, H=80, bf16,
+# fwd+bwd ms, tests/gpu/backward_scan.py --variants "separate carry,carry in walk"), apart / in the walk:
+# T=64K dstate 64 6.95 / 7.35 (walk block 512), dstate 256 11.38 / 11.08 (block 2048), dstate 512 18.29 / 17.61,
+# T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force one way;
+# M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
 SEPARATE_CARRY_GRAD = {"1": True, "0": False}.get(os.environ.get("M2OPS_BWD_SEPARATE_CARRY", ""))
-# Elements per step of state_carry_grad_kernel's loop over one state.
-CARRY_BLOCK = 1024
 # The largest walk block (launch.state_passing_block) at which the sum is taken apart from the walk.
-SEPARATE_CARRY_MAX_BLOCK = 2048
+SEPARATE_CARRY_MAX_BLOCK = 1024
 
 
 def separate_carry_grad(block: int) -> bool:
@@ -53,6 +51,13 @@ def separate_carry_grad(block: int) -> bool:
     if SEPARATE_CARRY_GRAD is not None:
         return SEPARATE_CARRY_GRAD
     return block <= SEPARATE_CARRY_MAX_BLOCK
+
+
+def carry_block(state_elems: int) -> int:
+    """state_carry_grad_kernel's step over one state: the largest of STATE_BLOCKS within it, so that a small
+    state is read in one step (at dstate 64, 4 steps of 1024 took 0.31 ms at T=64K where the bytes need 0.1)."""
+    fits = [blk for blk in STATE_BLOCKS if blk <= state_elems]
+    return max(fits) if fits else min(STATE_BLOCKS)
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True) -> dict:
@@ -131,7 +136,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
              T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"]))
     if not ks["GC"]:
-        cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", CARRY_BLOCK)
+        cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", carry_block(pn))
         launch._launch((nchunks * h, b, 1), state_carry_grad_kernel,
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
                  cdiv(pn, cblk), cblk))

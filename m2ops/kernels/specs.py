@@ -294,13 +294,11 @@ def all_specs() -> list[Spec]:
     pairs = [(F32, gl) for gl in g_locals] + sorted(
         {(sd, launch_bwd.g_local_dtype_name(dt)) for dt in INPUT_DTYPES
          for sd in set(launch.entering_dtype_names(dt)) - {F32}})
-    for sd, gl in pairs:
-        extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
-        out.append(Spec("state_carry_grad", F32, dict(BLK=launch_bwd.CARRY_BLOCK),
-                        _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
-    for blk in STATE_BLOCKS:
+    for blk in STATE_BLOCKS:  # the walk's blocks, and state_carry_grad's steps (launch_bwd.carry_block)
         for sd, gl in pairs:
             extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
+            out.append(Spec("state_carry_grad", F32, dict(BLK=blk),
+                            _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
             for has_seq in (False, True):
                 # with gcarry in the walk, and without it (launch_bwd.separate_carry_grad)
                 for gc in (True, False):
