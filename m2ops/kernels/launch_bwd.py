@@ -38,12 +38,12 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 # gcarry_c = <gS_{c+1}, S_c> in state_passing_bwd's walk (a block sum per chunk, which synchronises the program at
 # every step) or apart from it, in state_carry_grad_kernel over all chunks at once. On an H200 (B=1, H=80, bf16,
 # fwd+bwd ms, tests/gpu/backward_scan.py --variants "separate carry,carry in walk"), apart / in the walk:
-# T=64K dstate 64 6.95 / 7.35 (walk block 512), dstate 256 11.38 / 11.08 (block 2048), dstate 512 18.29 / 17.61,
-# T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force one way;
-# M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
+# T=64K dstate 64 6.91 / 7.38 (walk block 512), dstate 128 8.43 / 8.40 (block 1024), dstate 256 11.38 / 11.08,
+# dstate 512 18.29 / 17.61, T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force
+# one way; M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
 SEPARATE_CARRY_GRAD = {"1": True, "0": False}.get(os.environ.get("M2OPS_BWD_SEPARATE_CARRY", ""))
 # The largest walk block (launch.state_passing_block) at which the sum is taken apart from the walk.
-SEPARATE_CARRY_MAX_BLOCK = 1024
+SEPARATE_CARRY_MAX_BLOCK = 512
 
 
 def separate_carry_grad(block: int) -> bool:
@@ -55,7 +55,7 @@ def separate_carry_grad(block: int) -> bool:
 
 def carry_block(state_elems: int) -> int:
     """state_carry_grad_kernel's step over one state: the largest of STATE_BLOCKS within it, so that a small
-    state is read in one step (at dstate 64, 4 steps of 1024 took 0.31 ms at T=64K where the bytes need 0.1)."""
+    state is read in one step (at T=64K, dstate 64: 0.31 ms in 4 steps of 1024, 0.28 in one of 4096)."""
     fits = [blk for blk in STATE_BLOCKS if blk <= state_elems]
     return max(fits) if fits else min(STATE_BLOCKS)
 
