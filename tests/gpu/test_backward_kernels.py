@@ -53,9 +53,11 @@ def cases(draw):
     )
 
 
-@given(cases())
+@given(cases(), st.sampled_from([None, True, False]))
 @SWEEP
-def test_backward_kernels_match_reference(kw):
+def test_backward_kernels_match_reference(kw, separate_carry):
+    """separate_carry: gcarry apart from state_passing_bwd's walk (state_carry_grad_kernel) or in it, forced,
+    or by launch_bwd.separate_carry_grad's rule (None; at these sizes the walk block is the smallest, apart)."""
     from m2ops.kernels import launch_bwd
     case = make_case(**kw)
     _, fin_ref, _, mid = reference_forward(case)
@@ -78,7 +80,12 @@ def test_backward_kernels_match_reference(kw):
     args = (cot(mid["states"]), cot(fin_ref), fin_ref.new_zeros((0, *fin_ref.shape[1:])), case["x"], case["B"],
             mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     poison_allocator()
-    got = launch_bwd.fwd_pass_state_bwd(*args)
+    saved = launch_bwd.SEPARATE_CARRY_GRAD
+    launch_bwd.SEPARATE_CARRY_GRAD = separate_carry
+    try:
+        got = launch_bwd.fwd_pass_state_bwd(*args)
+    finally:
+        launch_bwd.SEPARATE_CARRY_GRAD = saved
     want = ref_bwd.fwd_pass_state_bwd(*map(_cpu, args))
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
