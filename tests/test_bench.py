@@ -95,6 +95,26 @@ def test_bench_backward_mode_times_forward_and_backward(tmp_path):
     assert "fwd+bwd, ms" in table and (tmp_path / "results-backward.md").exists()
 
 
+def test_bench_kernels_records_time_per_kernel(tmp_path):
+    """--kernels: each point's profile, largest first, names without specialisation suffixes; on the CPU the
+    m2ops call's operators, its custom ops among them."""
+    results, _ = _bench(tmp_path, "--peers", "m2ops", "--kernels")
+    (r,) = results
+    times = r["kernel_ms"]
+    ranked = [ms for name, ms in times.items() if name != "(others)"]
+    assert ranked and all(ms > 0 for ms in ranked) and ranked == sorted(ranked, reverse=True)
+    assert len(ranked) <= 12 and any(name.startswith("m2ops::") for name in times)
+    results, _ = _bench(tmp_path / "plain", "--peers", "m2ops")
+    assert "kernel_ms" not in results[0]
+
+
+def test_kernel_short_names():
+    from m2ops.bench.kernels import short_name
+    assert short_name("compute_out_kernel_Kt2_A4_B1") == "compute_out_kernel"
+    assert short_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
+    assert short_name("x" * 100) == "x" * 80
+
+
 def test_backward_build_returns_every_gradient():
     import torch
 

@@ -57,6 +57,9 @@ def parse_args(argv=None):
                         "reference at every point")
     p.add_argument("--backward", action="store_true",
                    help="time forward+backward: gradients of x, dt, A, B, C, D and the initial state")
+    p.add_argument("--kernels", action="store_true",
+                   help="also record each point's time per kernel (torch profiler, after the timed runs; on the "
+                        "CPU per operator) in results.json as kernel_ms, largest first")
     return p.parse_args(argv)
 
 
@@ -96,7 +99,7 @@ class _Progress:
 
 def _measure(pool, a, shape, peer, mode, progress, gpu=None):
     job = dict(peer=peer, shape=shape.as_dict(), chunk_size=a.chunk_size, runs=a.runs, warmup=a.warmup,
-               device=a.device, backward=a.backward, check=a.check)
+               device=a.device, backward=a.backward, check=a.check, kernels=a.kernels)
     t0 = time.perf_counter()
     r = pool.run(peer, job, a.timeout)
     r.update(peer=peer, key=shape.key, mode=mode, shape=shape.as_dict(), floor_ms=shape.floor_ms(backward=a.backward),

@@ -13,7 +13,8 @@ them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M
 with ct.kernel occupancy k (launch.HINT_OVERRIDE), each variant's gradients compared with the first run's,
 so that one run gives each kernel's time at each occupancy.
 
---variants a,b,...: the same again with each experiment of VARIANTS on, gradients compared likewise.
+--variants a,b,...: the same again with each variant of VARIANTS (a launch_bwd switch set one way), gradients
+compared likewise.
 """
 
 from __future__ import annotations
