@@ -98,14 +98,16 @@ def test_bench_backward_mode_times_forward_and_backward(tmp_path):
 def test_bench_kernels_records_time_per_kernel(tmp_path):
     """--kernels: each point's profile, largest first, names without specialisation suffixes; on the CPU the
     m2ops call's operators, its custom ops among them."""
-    results, _ = _bench(tmp_path, "--peers", "m2ops", "--kernels")
+    results, table = _bench(tmp_path, "--peers", "m2ops", "--kernels")
     (r,) = results
     times = r["kernel_ms"]
     ranked = [ms for name, ms in times.items() if name != "(others)"]
     assert ranked and all(ms > 0 for ms in ranked) and ranked == sorted(ranked, reverse=True)
     assert len(ranked) <= 12 and any(name.startswith("m2ops::") for name in times)
-    results, _ = _bench(tmp_path / "plain", "--peers", "m2ops")
-    assert "kernel_ms" not in results[0]
+    top = next(iter(times))
+    assert "per kernel (--kernels)" in table and f"| 100 | 16 | m2ops | {r['ms']:.3f} | {top} " in table
+    results, table = _bench(tmp_path / "plain", "--peers", "m2ops")
+    assert "kernel_ms" not in results[0] and "per kernel" not in table
 
 
 def test_kernel_short_names():

@@ -18,7 +18,7 @@ import time
 
 from .peers import PEERS
 from .pool import Pool
-from .report import markdown, plot
+from .report import kernels_markdown, markdown, plot
 from .shapes import grid, parse_sizes
 
 
@@ -158,6 +158,9 @@ def main(argv=None):
     results = [r for r in results if r.get("mode", "fwd") == mode]  # the table and plot of this mode
     order = [p for p in PEERS if p in {r["peer"] for r in results}]
     table = f"{mode}, ms\n\n" + markdown(results, order)
+    profiles = kernels_markdown(results, order)
+    if profiles:
+        table += "\nper kernel (--kernels)\n\n" + profiles
     suffix = "" if mode == "fwd" else "-backward"
     with open(os.path.join(a.out, f"results{suffix}.md"), "w") as f:
         f.write(table)

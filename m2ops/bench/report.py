@@ -60,6 +60,22 @@ def _t(seqlen):
     return f"{seqlen // 1024}K" if seqlen % 1024 == 0 else str(seqlen)
 
 
+def kernels_markdown(results: list[dict], peers: list[str], top: int = 6) -> str:
+    """Where each peer's time goes at each point (--kernels): one row per (shape, peer) with its `top` largest
+    kernels, ms per call, largest first; "" when no result has a profile."""
+    rows = [r for r in results if r.get("kernel_ms")]
+    if not rows:
+        return ""
+    order = {p: i for i, p in enumerate(peers)}
+    rows.sort(key=lambda r: (r["shape"]["seqlen"], r["shape"]["dstate"], order.get(r["peer"], len(order))))
+    lines = ["| T | N | peer | ms | largest kernels, ms per call |", "|---|---|---|---|---|"]
+    for r in rows:
+        named = [(k, v) for k, v in r["kernel_ms"].items() if k != "(others)"][:top]
+        text = ", ".join(f"{k.replace('|', '/')} {v:.3f}" for k, v in named)
+        lines.append(f"| {_t(r['shape']['seqlen'])} | {r['shape']['dstate']} | {r['peer']} | {r['ms']:.3f} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: list[dict], path: str):
     """Speedup of m2ops over each peer against sequence length, one line per dstate."""
     import matplotlib
