@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _kernel_times, _median_ms  # noqa: E402
 from gpu_cases import forward_and_backward, rel_err, scan_case  # noqa: E402
 
+from m2ops.bench.kernels import short_name  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import launch, launch_bwd  # noqa: E402
 
@@ -42,15 +43,10 @@ VARIANTS = {
 }
 DEFAULTS = {"SEPARATE_CARRY_GRAD": None, "DCBW_PREFETCH": False}
 
-def _kernel_name(key: str) -> str:
-    """A cuTile symbol's kernel name ('compute_out_kernel_Kt2_A4...' -> 'compute_out_kernel'); others as is."""
-    cut = key.find("_kernel_")
-    return key[:cut + len("_kernel")] if cut > 0 else key[:70]
-
 
 def device_times(fn, reps=5) -> dict:
     """Device ms per call of every kernel fn launches, cuTile kernels by name, largest first."""
-    times = _kernel_times(fn, reps, bucket=_kernel_name)
+    times = _kernel_times(fn, reps, bucket=short_name)
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
