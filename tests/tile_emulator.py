@@ -148,6 +148,12 @@ class _Emu:
     def exp(self, v):
         return torch.exp(self._t(v))
 
+    def exp2(self, v, flush_to_zero=False):
+        r = torch.exp2(self._t(v))
+        if flush_to_zero and r.dtype == torch.float32:
+            r = torch.where(r < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)
+        return r
+
     def log(self, v):
         return torch.log(self._t(v))
 

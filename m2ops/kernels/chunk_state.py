@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, weighted_state_product
+from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, exp2, load_tile, scale_by,
+                     weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -59,7 +60,7 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     for sb in range(n_sub):
         cs = ct.load(dA_cumsum, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
         dt = ct.load(dt_out, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
-        w = ct.exp(cs_last - cs) * dt
+        w = exp2((cs_last - cs) * LOG2E) * dt
         row = c * (L // BL) + sb
         if HAS_SEQ:
             seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((1, BL))
@@ -70,7 +71,7 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
         else:
             xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
-            xw = (xs.astype(ct.float32) * ct.transpose(w)[:, :, None]).astype(xs.dtype)
+            xw = scale_by(xs, ct.transpose(w)[:, :, None])
             s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
 
     ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))

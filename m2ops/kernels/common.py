@@ -108,10 +108,23 @@ def mma_operand(t, LOWP):
     return t.astype(ct.float32).astype(ct.tfloat32)
 
 
+# log2(e): the kernels' exponentials are taken as 2**(x * LOG2E) (exp2 below).
+LOG2E = 1.4426950408889634
+
+
+def exp2(x):
+    """2**x on the special-function unit (ex2.approx; subnormal results flushed to zero): one MUFU instruction,
+    where ct.exp's correctly rounded form costs about eight. Its relative error (about 2**-22) is far below the
+    bfloat16 rounding around it. The kernels evaluate one per element of their (BL x BL) weight blocks, where
+    ct.exp had made compute_out issue-bound (docs/performance-log.md, v19)."""
+    return ct.exp2(x, flush_to_zero=True)
+
+
 def diag_decay(cs, keep):
     """exp(cs_l - cs_s) of a diagonal (BL x BL) block where keep (the causal, same-sequence mask), else 0: masked
     before the exp, since above the diagonal the difference is positive and could overflow."""
-    return ct.exp(ct.where(keep, cs[:, None] - cs[None, :], -float("inf")))
+    csl = cs * LOG2E
+    return exp2(ct.where(keep, csl[:, None] - csl[None, :], -float("inf")))
 
 
 def weighted_state_product(xs, bs, w, acc):
@@ -119,6 +132,13 @@ def weighted_state_product(xs, bs, w, acc):
     The weights go on x, the operand that is transposed anyway, so that B's tile reaches the mma as loaded:
     weighting B instead (a scaled copy of it for the mma) made chunk_state 1.6x slower on the H200
     (docs/performance-log.md v10)."""
-    xw = (xs.astype(ct.float32) * w[:, None]).astype(xs.dtype)
-    return ct.mma(ct.transpose(xw), bs.astype(xs.dtype), acc)
+    return ct.mma(ct.transpose(scale_by(xs, w[:, None])), bs.astype(xs.dtype), acc)
 
+
+def scale_by(t, w):
+    """t times w (float32, broadcastable to t), in t's dtype. bfloat16 tiles are scaled in bfloat16 (w rounded to
+    it, then one packed multiply per two elements, HMUL2; bfloat16 has float32's range); other dtypes are widened
+    to float32 and rounded back, since float16 could underflow small weights."""
+    if t.dtype == ct.bfloat16:
+        return t * w.astype(ct.bfloat16)
+    return (t.astype(ct.float32) * w).astype(t.dtype)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, load_tile
+from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, load_tile,
+                     scale_by)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -55,6 +56,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # (BL x BL) exp or mask; only the diagonal block does.
     cs_s = ct.load(dA_cumsum, (b, h, c, ct.maximum(m * BL - 1, 0)), shape=(), check_bounds=False)
     cs_s = ct.where(m == 0, 0.0, cs_s)
+    csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
@@ -71,24 +73,24 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
             acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
                          ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
     if HAS_SEQ:
-        acc = acc * ct.where(seq_i == seq_prev, ct.exp(cs_s), 0.0)[:, None]
+        acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
     else:
-        acc = acc * ct.exp(cs_s)
+        acc = acc * exp2(csl_s)
 
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
     for jb in range(m):
         jrow = c * blocks_per_chunk + jb
         cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
-                      check_bounds=False).reshape((BL, BL)).astype(ct.float32)
+                      check_bounds=False).reshape((BL, BL))
         cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-        wgt = cbt * (ct.exp(cs_s - cs_j) * dt_j)[None, :]
+        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
         if HAS_SEQ:
             seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
             wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
         xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
-    acc = acc * ct.exp(cs_i - cs_s)[:, None]
+    acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 
     # The diagonal block: causal mask (and same sequence), decay formed per element.
     rows = ct.arange(BL, dtype=ct.int32)
@@ -96,9 +98,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     if HAS_SEQ:
         keep = keep & (seq_i[:, None] == seq_i[None, :])
     decay = diag_decay(cs_i, keep)
-    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL)).astype(
-        ct.float32)
-    wgt = cbt * decay * dt_i[None, :]
+    cbt = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+    wgt = scale_by(cbt, decay * dt_i[None, :])
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
     acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
 
@@ -108,6 +109,6 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     if has_z != 0:
         zi = load_tile(z, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         zf = zi.astype(ct.float32)
-        acc = acc * (zf / (1.0 + ct.exp(-zf)))
+        acc = acc * (zf / (1.0 + exp2(zf * -LOG2E)))
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, weighted_state_product
+from .common import LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -68,7 +68,7 @@ def _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ):
     cs_0 = ct.where(r % blocks_per_chunk == 0, 0.0, cs_0)
     csb = ct.load(cs, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
     dtb = ct.load(dt, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
-    w = ct.exp(cs_last - csb) * dtb
+    w = exp2((cs_last - csb) * LOG2E) * dtb
     step = cs_last - cs_0
     seqb = 0
     seq_before = 0
@@ -96,7 +96,7 @@ def segment_state_kernel(x: Big, B: Big, dt: Big, cs: Big, seq_idx: Big, seg_sta
         _, _, _, w, step, _, _ = _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ)
         xs = ct.load(x, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
-        s = weighted_state_product(xs, bs, w, s * ct.exp(step))
+        s = weighted_state_product(xs, bs, w, s * exp2(step * LOG2E))
         logc = logc + step
 
     ct.store(seg_states, (b, seg, h, pt, 0), s.reshape((1, 1, 1, TP, NT)))
@@ -127,7 +127,7 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
         bm = ct.load(B, (b, r, g, 0), shape=(1, BL, 1, NT), padding_mode=_ZERO).reshape((BL, NT))
 
         keep = causal
-        inter = ct.exp(csb - cs_0)
+        inter = exp2((csb - cs_0) * LOG2E)
         if HAS_SEQ:
             keep = keep & (seqb[:, None] == seqb[None, :])
             inter = ct.where(seqb == seq_before, inter, 0.0)
@@ -143,7 +143,7 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
         if has_z != 0:
             zs = ct.load(z, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
             zf = zs.astype(ct.float32)
-            acc = acc * (zf / (1.0 + ct.exp(-zf)))
+            acc = acc * (zf / (1.0 + exp2(zf * -LOG2E)))
         ct.store(y, (b, r, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
 
-        s = weighted_state_product(xs, bm, w, s * ct.exp(step))
+        s = weighted_state_product(xs, bm, w, s * exp2(step * LOG2E))

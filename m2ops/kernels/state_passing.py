@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, dependent_launch_prologue
+from .common import LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, exp2
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -46,7 +46,7 @@ def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_
 def _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
     """exp(cs_last) of chunk c, 0.0 where the state entering it does not survive it (its last token is of
     another sequence than the token before the chunk; sequence 0 owns initial_states)."""
-    carry = ct.exp(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()))
+    carry = exp2(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()) * LOG2E)
     if HAS_SEQ:
         start = c * L
         seq_last = ct.load(seq_idx, (b, ct.minimum(start + L - 1, seqlen - 1)), shape=())

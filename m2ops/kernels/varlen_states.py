@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt, dependent_launch_prologue, weighted_state_product
+from .common import LOG2E, Big, ConstInt, dependent_launch_prologue, exp2, weighted_state_product
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -35,7 +35,7 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
     pos_last = last - c * L
     cs_end = ct.load(dA_cumsum, (0, h, c, pos_last), shape=())
     owns = (start < c * L) | (start == 0)
-    decay = ct.where(owns, ct.exp(cs_end), 0.0)
+    decay = ct.where(owns, exp2(cs_end * LOG2E), 0.0)
     s = ct.load(states, (0, c, h, pt, nt), shape=(1, 1, 1, TP, TN)).reshape((TP, TN)) * decay
 
     # Only the sub-blocks up to the last token: the ones after it may lie wholly past seqlen.
@@ -44,7 +44,7 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
         dt = ct.load(dt_out, (0, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
         t = c * L + sb * BL + ct.arange(BL, dtype=ct.int32)
         inside = (t >= start) & (t <= last)
-        w = ct.exp(ct.where(inside, cs_end - cs, -float("inf"))) * dt
+        w = exp2(ct.where(inside, (cs_end - cs) * LOG2E, -float("inf"))) * dt
         row = c * (L // BL) + sb
         xs = ct.load(x, (0, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         bs = ct.load(B, (0, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))

@@ -66,6 +66,11 @@ VARIANTS = {
     # the defaults before it
     "local states bf16": ({}, {}, True, "cb16", "states16", "local16"),
     "local states float32": ({}, {}, True, "cb16", "states16"),
+    # chunk_state's dstate tile fitted to dstate 64 (launch.CHUNK_STATE_TN is 128: half of each B tile and of
+    # each product is padding there), at HB 2's occupancy 2 and at 4
+    "state TN64": ({"chunk_state": {"TN": 64}}, {}, True, "cb16", "states16", "local16"),
+    "state TN64 occ 4": ({"chunk_state": {"TN": 64}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16",
+                         "local16"),
 }
 
 
