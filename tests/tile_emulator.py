@@ -154,6 +154,10 @@ class _Emu:
             r = torch.where(r < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)
         return r
 
+    @staticmethod
+    def extract(t, index, shape):
+        return t[tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, shape))]
+
     def log(self, v):
         return torch.log(self._t(v))
 

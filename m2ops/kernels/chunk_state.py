@@ -50,7 +50,10 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     c = rest // (nheads // HB)
     g = (hb * HB) // heads_per_group
 
-    cs_last = ct.load(dA_cumsum, (b, hb, c, L - 1), shape=(1, HB, 1, 1), check_bounds=False).reshape((HB, 1))
+    # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone: a
+    # one-element load is a per-thread global load each program waits on (the tile's is a TMA copy).
+    cs_end = ct.load(dA_cumsum, (b, hb, c, L // BL - 1), shape=(1, HB, 1, BL), check_bounds=False)
+    cs_last = ct.extract(cs_end, index=(0, 0, 0, BL - 1), shape=(1, HB, 1, 1)).reshape((HB, 1))
     if HAS_SEQ:
         seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
 

@@ -50,12 +50,12 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # The chunked intermediates (dA_cumsum, dt_out, cb) are padded to whole chunks: never out of bounds.
     cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
     dt_i = ct.load(dt_out, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    # Reference point s = the token before this row block (the chunk start, cs = 0, for the first block):
-    # for i > s >= j, exp(cs_i - cs_j) = exp(cs_i - cs_s) * exp(cs_s - cs_j), both factors <= 1 (cs falls).
-    # Below the diagonal block the decay is then a row scale times a column scale, so those blocks need no
-    # (BL x BL) exp or mask; only the diagonal block does.
-    cs_s = ct.load(dA_cumsum, (b, h, c, ct.maximum(m * BL - 1, 0)), shape=(), check_bounds=False)
-    cs_s = ct.where(m == 0, 0.0, cs_s)
+    # Reference point s = the row block's first token: for i >= s > j, exp(cs_i - cs_j) = exp(cs_i - cs_s) *
+    # exp(cs_s - cs_j), both factors <= 1 (cs falls). Below the diagonal block the decay is then a row scale
+    # times a column scale, so those blocks need no (BL x BL) exp or mask; only the diagonal block does. cs_s
+    # is taken from cs_i, not loaded: a one-element load is a per-thread global load that each program waited
+    # on (Nsight Compute: the kernel's main stall), where cs_i comes with the tile loads.
+    cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))

@@ -59,6 +59,15 @@ def chunk_cumsum_constants(chunk_size: int) -> dict:
 # chunk_state's dstate tile: 128 (x read once per 128 state columns) took 0.167 -> 0.133 ms at T=16K N=128 and
 # 1.234 -> 0.979 at T=64K N=256 (tests/gpu/variants_scan.py, H200; with the weights on x, chunk_state.py).
 CHUNK_STATE_TN = 128
+# ... and where dstate fits in 64 (half of a 128-wide tile would be padding, in B's loads and the products): on
+# the H200 (variants_scan "state TN64", bfloat16, chunk 256) chunk_state 0.081 -> 0.073 ms at T=16K N=64 and
+# 0.299 -> 0.263 at T=64K N=64, the call 1.324 -> 1.285 ms; at N >= 128 the 64-wide tile was 1.5x slower.
+CHUNK_STATE_SMALL_TN = 64
+
+
+def chunk_state_tn(dstate: int) -> int:
+    """chunk_state's dstate tile for this dstate."""
+    return CHUNK_STATE_SMALL_TN if dstate <= CHUNK_STATE_SMALL_TN else CHUNK_STATE_TN
 
 
 # chunk_state's heads per program (HB) and its occupancy hint at HB > 1, per (input dtype, chunk size): two
@@ -79,8 +88,9 @@ def heads_per_program(hb: int, heads_per_group: int) -> int:
     return hb if heads_per_group % hb == 0 else 1
 
 
-def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True, heads: int = 1) -> dict:
-    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=CHUNK_STATE_TN, HAS_SEQ=bool(has_seq),
+def chunk_state_constants(chunk_size: int, has_seq: bool, check: bool = True, heads: int = 1,
+                          tn: int = CHUNK_STATE_TN) -> dict:
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=tn, HAS_SEQ=bool(has_seq),
              CHK=bool(check), HB=heads)
     k.update(CONSTANT_OVERRIDE.get("chunk_state", {}))
     return k
@@ -474,7 +484,8 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
 
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
     dname = _dtype_name(mma_dtype)
-    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L)), T, p, n)
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L),
+                                                             tn=chunk_state_tn(n)), T, p, n)
     k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
     n_state_tiles = cdiv(n, k["TN"])
     _launch((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),

@@ -214,14 +214,17 @@ def all_specs() -> list[Spec]:
             out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
             # one head per program, and chunk_state_heads's choice where it is more (odd heads per group fall
             # back to one)
+            # (and its two dstate tiles: launch.chunk_state_tn)
             for hb in sorted({1, launch.chunk_state_heads(dt, L)}):
                 for has_seq in (False, True):
                     for check in (True, False):
                         for ld in launch.local_dtype_names(dt, L):
-                            out.append(Spec("chunk_state", dt, launch.chunk_state_constants(L, has_seq, check, hb),
-                                            _params("chunk_state", dt, local_dtype=ld),
-                                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
-                                            dtypes=(("local", ld),) if ld != F32 else ()))
+                            for tn in (launch.CHUNK_STATE_SMALL_TN, launch.CHUNK_STATE_TN):
+                                out.append(Spec("chunk_state", dt,
+                                                launch.chunk_state_constants(L, has_seq, check, hb, tn),
+                                                _params("chunk_state", dt, local_dtype=ld),
+                                                tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                                                dtypes=(("local", ld),) if ld != F32 else ()))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
