@@ -75,7 +75,11 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
     assert default["path"] == "split" and all(c["path"] == "split" for c in cands)
-    # short sequences default to the fused kernels (measured faster there)
+    # short sequences default to the two-op kernels too (measured faster there since v19), and the fused
+    # kernels stay a candidate for the tuner; forced, the default is fused
+    default, cands = launch.chunk_scan_configs(1, 1024, 80, 64, 128, 256, cpu)
+    assert default["path"] == "split" and any(c["path"] == "fused" for c in cands)
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", True)
     default, _ = launch.chunk_scan_configs(1, 1024, 80, 64, 128, 256, cpu)
     assert default["path"] == "fused"
 

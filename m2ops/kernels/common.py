@@ -49,8 +49,11 @@ SEGMENT_PROGRAMS_PER_SM = 4
 # above the register-held state spilled (T=16K: 5.4 ms at N=256, 770 ms at N=512 with smaller tiles, against
 # 1.7 and 3.0 ms for the two-op kernels). Measured (tests/gpu/profile_scan.py, B=1 H=80 P=64 bf16, chunk 256,
 # ms): T=1K N=128, 3 blocks a segment: 0.385 fused, 0.574 two-op; T=4K N=128, 10 blocks: 0.455, 0.349;
-# T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814.
-SEGMENT_MAX_WALK = 4
+# T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814. Since v19 (docs/performance-log.md) the
+# two-op kernels win at T=1K as well: the tuner chose them at every dstate (the whole call under CUDA graphs,
+# N=64: 0.043 ms tuned against 0.070 for the fused default; N=128: 0.045 against 0.088), so no walk is short
+# enough for the default; the tuner still weighs the fused path (launch.chunk_scan_configs).
+SEGMENT_MAX_WALK = 0
 SEGMENT_MAX_DSTATE = 128
 # Every NT the fused scan uses (specs.py builds each).
 SEGMENT_NTS = (32, 64, 128)
