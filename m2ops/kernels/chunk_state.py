@@ -6,7 +6,8 @@ One program per (chunk, head, (headdim tile, dstate tile), batch row) computes
     local_c = sum over tokens j of the chunk of  (w_j x_j)^T B_j,   w_j = exp(cs_last - cs_j) * dt_j
 
 as mma's of (w * x)^T (TP, BL) by B (BL, TN), BL token rows at a time, and stores it (in float32, or
-bfloat16 under launch.LOCAL_STATES_IN_BF16) into the chunk's slot of the states buffer, where state_passing replaces it by the entering state.
+bfloat16 under launch.LOCAL_STATES_IN_BF16) into the chunk's slot of the states buffer, where state_passing
+replaces it by the entering state.
 
 Why: the old single kernel walked all chunks of one state tile in one program (B*H*P/TP*N/TN = 160
 programs at the benchmark shape), so every chunk cost a dependent load -> mma -> store round trip and the
@@ -50,8 +51,8 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     c = rest // (nheads // HB)
     g = (hb * HB) // heads_per_group
 
-    # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone: a
-    # one-element load is a per-thread global load each program waits on (the tile's is a TMA copy).
+    # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone (a
+    # per-thread global load, where the tile's is a TMA copy; neutral on the H200, docs/performance-log.md v19).
     cs_end = ct.load(dA_cumsum, (b, hb, c, L // BL - 1), shape=(1, HB, 1, BL), check_bounds=False)
     cs_last = ct.extract(cs_end, index=(0, 0, 0, BL - 1), shape=(1, HB, 1, 1)).reshape((HB, 1))
     if HAS_SEQ:

@@ -53,8 +53,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # Reference point s = the row block's first token: for i >= s > j, exp(cs_i - cs_j) = exp(cs_i - cs_s) *
     # exp(cs_s - cs_j), both factors <= 1 (cs falls). Below the diagonal block the decay is then a row scale
     # times a column scale, so those blocks need no (BL x BL) exp or mask; only the diagonal block does. cs_s
-    # is taken from cs_i, not loaded: a one-element load is a per-thread global load that each program waited
-    # on (Nsight Compute: the kernel's main stall), where cs_i comes with the tile loads.
+    # is taken from cs_i rather than loaded on its own (a per-thread global load; every other load is a TMA
+    # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
     if HAS_SEQ:

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, weighted_state_product
+from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2,
+                     weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
 
