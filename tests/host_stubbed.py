@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--dstate", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    launch._launch = lambda grid, kernel, kargs: None
+    launch._launch = lambda grid, kernel, kargs, *_: None
     launch._sm_count = lambda device: 132  # an H200's
     eager.applies = lambda *t: eager.context_allows(t)  # the CUDA path on CPU tensors
     T, N, b, h, p, L = args.seqlen, args.dstate, 1, 80, 64, 256

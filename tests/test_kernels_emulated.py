@@ -599,10 +599,10 @@ def test_local_states_in_bf16(monkeypatch, seq_idx):
     with emulated_kernels():
         emulated = launch._launch
 
-        def spy(grid, kernel, args):
+        def spy(grid, kernel, args, *rest):
             if kernel._pyfunc.__name__ == "chunk_state_kernel":
                 seen.append(args[5].dtype)
-            return emulated(grid, kernel, args)
+            return emulated(grid, kernel, args, *rest)
 
         launch._launch = spy  # emulated_kernels puts the real launcher back on exit
         y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
@@ -659,9 +659,9 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     with emulated_kernels():
         emulated = launch._launch
 
-        def spy(grid, kernel, kargs):
+        def spy(grid, kernel, kargs, *rest):
             names.append(kernel._pyfunc.__name__)
-            return emulated(grid, kernel, kargs)
+            return emulated(grid, kernel, kargs, *rest)
 
         launch._launch = spy  # emulated_kernels puts the real launcher back on exit
         got = launch_bwd.fwd_pass_state_bwd(*args, states)

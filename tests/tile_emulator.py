@@ -227,8 +227,9 @@ def emulated_kernels(sm_count: int = 132):
     try:
         for m in mods:
             m.ct = emu
-        launch._launch = lambda grid, kernel, args: (_record(kernel, args), run(kernel, grid, args, emu))
+        launch._launch = lambda grid, kernel, args, *_: (_record(kernel, args), run(kernel, grid, args, emu))
         launch._sm_count = lambda device: sm_count
+        launch.clear_plans()  # (plans depend on the SM count)
         if not had_astype:
             torch.Tensor.astype = _astype
         yield emu
@@ -236,5 +237,6 @@ def emulated_kernels(sm_count: int = 132):
         for m, v in saved.items():
             m.ct = v
         launch._launch, launch._sm_count = saved_launch, saved_sm
+        launch.clear_plans()
         if not had_astype:
             del torch.Tensor.astype

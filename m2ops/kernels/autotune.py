@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}  # this process's view of the file, plus its own results
+_seen: list = [None]  # (path, modification time) of the file when _memory last read it
 
 
 def cache_path() -> str:
@@ -81,11 +82,24 @@ def _store(key: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
+def _stamp():
+    path = cache_path()
+    try:
+        return path, os.stat(path).st_mtime_ns
+    except OSError:
+        return path, None
+
+
 def lookup(key: str):
-    """The stored configuration for a full key, or None."""
+    """The stored configuration for a full key, or None. A key this process has not seen rereads the file only
+    when it changed since the last read: a launcher asks on every call, and reading the JSON each time a key
+    is absent (tuning off, or a call inside graph capture) cost tens of microseconds."""
     with _lock:
         if key not in _memory:
-            _memory.update(_load())
+            stamp = _stamp()
+            if stamp != _seen[0]:
+                _memory.update(_load())
+                _seen[0] = stamp
         entry = _memory.get(key)
     return None if entry is None else entry["config"]
 
@@ -95,14 +109,17 @@ def full_key(op: str, shape_key: str, device_index: int = 0) -> str:
 
 
 def choose(op: str, shape_key: str, default: dict, candidates: Sequence[dict], time_config: Callable[[dict], float],
-           can_search: bool = True, device_index: int = 0) -> dict:
+           can_search=True, device_index: int = 0) -> dict:
     """The configuration to launch with: stored winner, else a fresh search (when allowed), else default.
 
-    time_config(config) returns milliseconds (inf for a configuration that fails)."""
+    time_config(config) returns milliseconds (inf for a configuration that fails). can_search: a bool, or a
+    function giving one, called only when no stored winner exists."""
     key = full_key(op, shape_key, device_index)
     found = lookup(key)
     if found is not None:
         return found
+    if callable(can_search):
+        can_search = can_search()
     if not (can_search and enabled()) or len(candidates) <= 1:
         return default
     best, timings = search(op, shape_key, [default, *[c for c in candidates if c != default]], time_config)
@@ -143,3 +160,4 @@ def forget() -> None:
     """Drop this process's in-memory view (tests; after editing the file by hand)."""
     with _lock:
         _memory.clear()
+        _seen[0] = None

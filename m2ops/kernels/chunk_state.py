@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, exp2, load_tile, scale_by,
+from .common import (Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
                      weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
@@ -64,7 +64,7 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
     for sb in range(n_sub):
         cs = ct.load(dA_cumsum, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
         dt = ct.load(dt_out, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
-        w = exp2((cs_last - cs) * LOG2E) * dt
+        w = token_weight(cs_last, cs, dt)
         row = c * (L // BL) + sb
         if HAS_SEQ:
             seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((1, BL))

@@ -123,6 +123,17 @@ def exp2(x):
     return ct.exp2(x, flush_to_zero=True)
 
 
+def silu(zf):
+    """zf * sigmoid(zf) of a float32 tile (the z gate), with the exponential of exp2."""
+    return zf / (1.0 + exp2(zf * -LOG2E))
+
+
+def token_weight(cs_end, cs, dt):
+    """exp(cs_end - cs) * dt: how much of a token's input survives to the position whose cumulative decay is
+    cs_end (the end of its chunk or segment), times its step size; the weight of its x in a state."""
+    return exp2((cs_end - cs) * LOG2E) * dt
+
+
 def diag_decay(cs, keep):
     """exp(cs_l - cs_s) of a diagonal (BL x BL) block where keep (the causal, same-sequence mask), else 0: masked
     before the exp, since above the diagonal the difference is positive and could overflow."""

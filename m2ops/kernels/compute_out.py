@@ -21,7 +21,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, load_tile,
-                     scale_by)
+                     scale_by, silu)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -103,12 +103,16 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
     acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
 
-    if has_d != 0:
+    # D: has_d 1 is one value per head, D given as (nheads, 1) (no per-channel copy for the host to make);
+    # 2 is (nheads, headdim).
+    if has_d == 1:
+        acc = acc + xi.astype(ct.float32) * ct.load(D, (h, 0), shape=()).astype(ct.float32)
+    if has_d == 2:
         dv = load_tile(D, (h, pt), (1, TP), CHK)
         acc = acc + xi.astype(ct.float32) * dv.astype(ct.float32)
     if has_z != 0:
         zi = load_tile(z, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         zf = zi.astype(ct.float32)
-        acc = acc * (zf / (1.0 + exp2(zf * -LOG2E)))
+        acc = acc * silu(zf)
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
 

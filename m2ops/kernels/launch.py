@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -364,13 +365,34 @@ def _as(t, dtype):
     return _dense(t if t.dtype == dtype else t.to(dtype))
 
 
+_DUMMIES: dict = {}
+
+
 def _dummy(ref_tensor, dtype, ndim):
-    """A one-element array for a parameter whose input is absent; the kernel never reads it."""
-    return torch.empty((1,) * ndim, dtype=dtype, device=ref_tensor.device)
+    """A one-element array for a parameter whose input is absent; the kernel never reads or writes it. One per
+    (device, dtype, ndim), kept: an allocation costs the host 5-6 us on the H200's machine
+    (tests/gpu/launch_cost.py), and a forward passes two or three. Not kept when made inside CUDA-graph
+    capture (it would come from the graph's private pool)."""
+    key = (ref_tensor.device, dtype, ndim)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = torch.empty((1,) * ndim, dtype=dtype, device=ref_tensor.device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DUMMIES[key] = t
+    return t
+
+
+def _d_arg(D, like):
+    """(array, has_d) of D as compute_out, segment_out and state_update read it: has_d 0 absent (a dummy), 1 one
+    value per head as a float32 (nheads, 1) view, 2 float32 (nheads, headdim)."""
+    if D is None:
+        return _dummy(like, torch.float32, 2), 0
+    Dk = _as(D, torch.float32)
+    return (Dk[:, None], 1) if Dk.dim() == 1 else (Dk, 2)
 
 
 def _d_per_channel(D, nheads, headdim, like):
-    """D as the float32 (nheads, headdim) array the kernels read (a dummy when D is None)."""
+    """D as the float32 (nheads, headdim) array the backward's kernels read (a dummy when D is None)."""
     if D is None:
         return _dummy(like, torch.float32, 2)
     Dk = _as(D, torch.float32)
@@ -422,12 +444,73 @@ def _pdl(kernel) -> bool:
     return _PDL_DEVICE[index]
 
 
-def _launch(grid, kernel, args):
-    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args), args,
-              programmatic_dependent_launch=_pdl(kernel))
+def _launch(grid, kernel, args, pdl=None, arrays=None):
+    """kernel (as the launcher names it; its 32-bit twin is taken where the arrays fit) on the current stream.
+    A Step passes its PDL flag and the array arguments, which saves working them out again."""
+    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args if arrays is None else arrays), args,
+              programmatic_dependent_launch=_pdl(kernel) if pdl is None else pdl)
+
+
+# ---- launch plans ----
+# What a launcher decides from sizes, dtypes, the options present and the device (specialisation, hints, grid,
+# the scalar arguments) is worked out once per such key and kept: a call then only converts its inputs,
+# allocates its outputs and launches. Working it out each call cost the H200's host about 70 us of Python per
+# forward (tests/gpu/launch_cost.py), at T=16K, dstate 64 more than the GPU's time for the whole forward.
+# The module's switches are part of the key; while a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE,
+# STATE_BLOCK_OVERRIDE) is set, plans are worked out each call and not kept.
+
+class Step(NamedTuple):
+    """One planned launch: the arrays are the call's, everything else is here."""
+    grid: tuple
+    kernel: object  # as the launcher names it (64-bit-indexed arrays; _launch takes the 32-bit twin)
+    pdl: bool       # programmatic dependent launch (_pdl)
+    tail: tuple     # the scalar arguments after the arrays
+
+    def launch(self, arrays: tuple):
+        _launch(self.grid, self.kernel, arrays + self.tail, self.pdl, arrays)
+
+
+def _step(grid, kernel, tail, device) -> Step:
+    return Step(tuple(grid), kernel, device.type == "cuda" and _pdl(kernel), tuple(tail))
+
+
+def _knobs() -> tuple:
+    return (CB_IN_BF16, STATES_IN_BF16, LOCAL_STATES_IN_BF16, CHUNK_STATE_TN, CHUNK_STATE_SMALL_TN, PDL,
+            index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK)
+
+
+def _planned(build):
+    """build (a function of hashable arguments) with its results kept per arguments and _knobs()."""
+    kept = functools.lru_cache(maxsize=1024)(lambda knobs, args: build(*args))
+
+    @functools.wraps(build)
+    def plan(*args):
+        if CONSTANT_OVERRIDE or HINT_OVERRIDE or STATE_BLOCK_OVERRIDE is not None:
+            return build(*args)
+        return kept(_knobs(), args)
+    _PLANS.append(kept)
+    return plan
+
+
+_PLANS: list = []
+
+
+def clear_plans() -> None:
+    """Forget every kept plan (after changing what _sm_count returns, as the CPU emulator does)."""
+    for kept in _PLANS:
+        kept.cache_clear()
 
 
 # ---- the three ops ----
+
+@_planned
+def _cumsum_plan(b, T, h, L, has_bias, dt_softplus, dt_min, dt_max, device) -> Step:
+    n_hblocks = cdiv(h, TILE_H)
+    k = chunk_cumsum_constants(L)
+    return _step((num_chunks(T, L) * n_hblocks, b, 1), chunk_cumsum_kernel,
+                 (T, n_hblocks, int(has_bias), int(bool(dt_softplus)), float(dt_min), float(dt_max),
+                  k["L"], k["BH"]), device)
+
 
 def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float):
     if dt.dtype not in _KERNEL_DTYPES or not supported_chunk_size(chunk_size):
@@ -438,12 +521,8 @@ def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: flo
     dA_cumsum = torch.empty(shape, dtype=torch.float32, device=dt.device)
     A32 = _as(A, torch.float32)
     bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
-    n_hblocks = cdiv(h, TILE_H)
-    k = chunk_cumsum_constants(chunk_size)
-    _launch((shape[2] * n_hblocks, b, 1), chunk_cumsum_kernel,
-            (_dense(dt), A32, bias, dt_out, dA_cumsum,
-             T, n_hblocks, int(dt_bias is not None), int(bool(dt_softplus)), float(dt_min), float(dt_max),
-             k["L"], k["BH"]))
+    _cumsum_plan(b, T, h, chunk_size, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max),
+                 dt.device).launch((_dense(dt), A32, bias, dt_out, dA_cumsum))
     return dt_out, dA_cumsum
 
 
@@ -455,70 +534,111 @@ def _common_dtype(*tensors):
     return dtype
 
 
+class _StatePlan(NamedTuple):
+    states_shape: tuple
+    local_dtype: torch.dtype  # chunk_state's output (the local states)
+    separate: bool            # the entering states in their own array of entering_dtype
+    chunk_state: Step
+    state_passing: Step
+
+
+@_planned
+def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, separate, entering_dtype,
+                device) -> _StatePlan:
+    nchunks = num_chunks(T, L)
+    local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
+                  and "bfloat16" in local_dtype_names(dname, L))
+    n_ptiles = cdiv(p, TILE_P)
+    # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L),
+                                                             tn=chunk_state_tn(n)), T, p, n)
+    k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
+    n_state_tiles = cdiv(n, k["TN"])
+    chunk_state = _step((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),
+                        _hinted("chunk_state", tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))),
+                        (T, h, h // g, n_state_tiles, n_ptiles,
+                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"]), device)
+    # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
+    blk = state_block or state_passing_block(b, h, p * n, device)
+    n_blocks = cdiv(p * n, blk)
+    ks = state_passing_constants(blk, has_seq, separate)
+    state_passing = _step((h * n_blocks, b, 1), state_passing_kernel,
+                          (T, nchunks, n_blocks, int(has_init), L, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]),
+                          device)
+    return _StatePlan(states_shape(b, nchunks, h, p, n), torch.bfloat16 if local_bf16 else torch.float32,
+                      separate, chunk_state, state_passing)
+
+
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
-                   entering_dtype=None):
+                   entering_dtype=None, varlen_out=True):
     """state_block: the state_passing block size (default: state_passing_block's choice). entering_dtype
     (bfloat16; without cu_seqlens): the entering states are returned in that dtype, written by state_passing
-    to their own buffer (for compute_out alone: chunk_scan's STATES_IN_BF16 experiment)."""
+    to their own buffer (for compute_out alone: chunk_scan's STATES_IN_BF16 experiment). varlen_out=False
+    (without cu_seqlens): None in place of the empty varlen states the op returns."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, B, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
         return ref.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    nchunks = num_chunks(T, L)
     dev = x.device
     mma_dtype = _common_dtype(x, B)
     xk, Bk = _as(x, mma_dtype), _as(B, mma_dtype)
     dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
-
     separate = entering_dtype is not None and cu_seqlens is None
-    local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
-                  and "bfloat16" in local_dtype_names(_dtype_name(mma_dtype), L))
-    states = torch.empty(states_shape(b, nchunks, h, p, n), dtype=torch.bfloat16 if local_bf16 else torch.float32,
-                         device=dev)
+    plan = _state_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None,
+                       initial_states is not None, state_block, separate, entering_dtype if separate else None,
+                       dev)
+    states = torch.empty(plan.states_shape, dtype=plan.local_dtype, device=dev)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
-    has_seq = seq_idx is not None
-    n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
+    plan.chunk_state.launch((xk, Bk, dtk, csk, seq, states))
 
-    # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    dname = _dtype_name(mma_dtype)
-    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L),
-                                                             tn=chunk_state_tn(n)), T, p, n)
-    k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
-    n_state_tiles = cdiv(n, k["TN"])
-    _launch((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),
-            _hinted("chunk_state", tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))),
-            (xk, Bk, dtk, csk, seq, states,
-             T, h, h // g, n_state_tiles, n_ptiles,
-             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"]))
-
-    # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
-    pn = p * n
-    blk = state_block or state_passing_block(b, h, pn, dev)
-    n_blocks = cdiv(pn, blk)
+    nchunks, pn = plan.states_shape[1], p * n
     init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
             else _dummy(x, torch.float32, 3))
-    entering = (torch.empty(states.shape, dtype=entering_dtype, device=dev) if separate
-                else _dummy(x, torch.float32, 4))
-    ks = state_passing_constants(blk, has_seq, separate)
-    _launch((h * n_blocks, b, 1), state_passing_kernel,
-            (states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
-             entering.view(b, nchunks, h, pn) if separate else entering,
-             T, nchunks, n_blocks, int(initial_states is not None), L,
-             ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]))
+    entering = torch.empty(states.shape, dtype=entering_dtype, device=dev) if separate else None
+    plan.state_passing.launch((states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
+                               entering.view(b, nchunks, h, pn) if separate else _dummy(x, torch.float32, 4)))
     if separate:
         states = entering  # (no cu_seqlens: varlen_states, which reads float32 states, does not run)
 
+    if cu_seqlens is None and not varlen_out:
+        return states, final_states, None
     varlen = torch.empty(varlen_states_shape(cu_seqlens, h, p, n), dtype=torch.float32, device=dev)
     if cu_seqlens is not None:
         nseq = cu_seqlens.shape[0] - 1
+        n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
         kv = varlen_states_constants(L)
         _launch((nseq, h, n_ptiles * n_ntiles), varlen_states_kernel,
                 (xk, Bk, dtk, csk, states, _as(cu_seqlens, torch.int32), varlen,
                  h // g, n_ntiles, kv["L"], kv["BL"], kv["TP"], kv["TN"]))
     return states, final_states, varlen
+
+
+class _OutPlan(NamedTuple):
+    cb_shape: tuple
+    cb_dtype: torch.dtype
+    states_bf16: bool  # compute_out reads bfloat16 entering states as they are (else float32)
+    chunk_cb: Step
+    compute_out: Step
+
+
+@_planned
+def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device) -> _OutPlan:
+    BL = sub_block(L)
+    n_rblocks = cdiv(T, BL)
+    # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
+    kc = chunk_cb_constants(L)
+    chunk_cb = _step((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (n, kc["L"], kc["BL"], kc["TN"]),
+                     device)
+    n_ptiles = cdiv(p, TILE_P)
+    k = _bounds_checked("compute_out", compute_out_constants(L, has_seq, dtype=dname), T, p, n)
+    compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
+                        (T, h, h // g, n, n_ptiles, has_d, int(has_z),
+                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
+    return _OutPlan((b, num_chunks(T, L), g, L, L), getattr(torch, cb_dtype_name(dname)),
+                    k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out)
 
 
 def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
@@ -532,27 +652,15 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     mma_dtype = _common_dtype(x, B, C, z)
     xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
     zk = _as(z, mma_dtype) if z is not None else xk
-    Dk = _d_per_channel(D, h, p, x)
+    Dk, has_d = _d_arg(D, x)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    plan = _out_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None, states.dtype, has_d,
+                     z is not None, dev)
+    cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
+    plan.chunk_cb.launch((Ck, Bk, cb))
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
-    BL = sub_block(L)
-    n_rblocks = cdiv(T, BL)
-
-    # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
-    cb_dtype = getattr(torch, cb_dtype_name(_dtype_name(mma_dtype)))
-    cb = torch.empty((b, num_chunks(T, L), g, L, L), dtype=cb_dtype, device=dev)
-    kc = chunk_cb_constants(L)
-    _launch((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
-
-    n_ptiles = cdiv(p, TILE_P)
-    k = _bounds_checked("compute_out", compute_out_constants(L, seq_idx is not None, dtype=_dtype_name(mma_dtype)),
-                        T, p, n)
-    args = (xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
-            states if (k["SBF"] and states.dtype == torch.bfloat16) else _as(states, torch.float32), Dk, zk,
-            seq, y,
-            T, h, h // g, n, n_ptiles, int(D is not None), int(z is not None),
-            k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"])
-    _launch((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", _dtype_name(mma_dtype), L), args)
+    plan.compute_out.launch((xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
+                             states if plan.states_bf16 else _as(states, torch.float32), Dk, zk, seq, y))
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -593,6 +701,10 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     if segments_can_run(chunk_size, dstate):
         candidates += [{"path": "fused", "ppsm": v} for v in (2, 4, 8, 16)]
     return default, candidates
+
+
+# (chunk_scan reads the kept lists; it does not change them)
+_kept_scan_configs = _planned(chunk_scan_configs)
 
 
 def _tuned(x) -> bool:
@@ -655,13 +767,13 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
         return (*out, None) if keep_states else out
     b, T, h, p = x.shape
     n = B.shape[3]
-    default, candidates = chunk_scan_configs(b, T, h, p, n, L, x.device)
+    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device)
     config = default
     if _tuned(x):
         def run(cfg):
             return lambda: _chunk_scan_with(cfg, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
         config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
-                                 candidates, lambda cfg: median_ms(run(cfg)), can_search=_can_search(),
+                                 candidates, lambda cfg: median_ms(run(cfg)), can_search=_can_search,
                                  device_index=x.device.index or 0)
     return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states)
 
@@ -693,7 +805,8 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
         bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
-                                                 entering_dtype=torch.bfloat16 if bf16 else None)
+                                                 entering_dtype=torch.bfloat16 if bf16 else None,
+                                                 varlen_out=False)
         y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
         if keep_states:
             # Only the bfloat16 copy at the caller's chunk size: a float32 one is what a recompute replaces.
@@ -716,7 +829,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     # Flat (b, h, nchunks * L) views of the chunked intermediates (a copy only if they are not contiguous).
     dtk = _as(dt_out, torch.float32).reshape(b, h, nchunks * L)
     csk = _as(dA_cumsum, torch.float32).reshape(b, h, nchunks * L)
-    Dk = _d_per_channel(D, h, p, x)
+    Dk, has_d = _d_arg(D, x)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     grid = (nseg * h * n_ptiles, b, 1)
     dims = (T, h, h // g, n_ptiles, per_seg, n_blocks, L // BL)
@@ -745,7 +858,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     # 3. y, walking each segment from its entering state.
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
     _launch(grid, hinted_kernel("segment_out", _dtype_name(mma_dtype), L),
-            (xk, dtk, csk, Ck, Bk, seq, seg_states, Dk, zk, y, *dims, int(D is not None), int(z is not None),
+            (xk, dtk, csk, Ck, Bk, seq, seg_states, Dk, zk, y, *dims, has_d, int(z is not None),
              *consts))
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return (y, final_states, None) if keep_states else (y, final_states)
@@ -773,12 +886,7 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     state_k = _dense(state) if state.dtype in (act, torch.float32) else _as(state, torch.float32)
     A32 = _as(A, torch.float32)
     bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
-    if D is None:
-        Dk, has_d = _dummy(x, torch.float32, 2), 0
-    elif D.dim() == 1:
-        Dk, has_d = _as(D, torch.float32)[:, None], 1
-    else:
-        Dk, has_d = _as(D, torch.float32), 2
+    Dk, has_d = _d_arg(D, x)
 
     y = torch.empty((b, h, p), dtype=act, device=dev)
     new_state = torch.empty((b, h, p, n), dtype=state_k.dtype, device=dev)

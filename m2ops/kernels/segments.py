@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2,
-                     weighted_state_product)
+from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, silu,
+                     token_weight, weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -69,7 +69,7 @@ def _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk, BL, HAS_SEQ):
     cs_0 = ct.where(r % blocks_per_chunk == 0, 0.0, cs_0)
     csb = ct.load(cs, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
     dtb = ct.load(dt, (b, h, r), shape=(1, 1, BL)).reshape((BL,))
-    w = exp2((cs_last - csb) * LOG2E) * dtb
+    w = token_weight(cs_last, csb, dtb)
     step = cs_last - cs_0
     seqb = 0
     seq_before = 0
@@ -119,7 +119,12 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
                 padding_mode=_ZERO).reshape((TP, NT))
     pos = ct.arange(BL, dtype=ct.int32)
     causal = pos[:, None] >= pos[None, :]
-    dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
+    # D as in compute_out: has_d 1 is (nheads, 1), one value per head; 2 is (nheads, headdim).
+    dv = ct.zeros((1, TP), dtype=ct.float32)
+    if has_d == 1:
+        dv = dv + ct.load(D, (h, 0), shape=()).astype(ct.float32)
+    if has_d == 2:
+        dv = ct.load(D, (h, pt), shape=(1, TP), padding_mode=_ZERO).astype(ct.float32)
     for r in range(r0, r1):
         csb, cs_0, dtb, w, step, seqb, seq_before = _block(cs, dt, seq_idx, b, h, r, seqlen, blocks_per_chunk,
                                                            BL, HAS_SEQ)
@@ -144,7 +149,7 @@ def segment_out_kernel(x: Big, dt: Big, cs: Big, C: Big, B: Big, seq_idx: Big, s
         if has_z != 0:
             zs = ct.load(z, (b, r, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
             zf = zs.astype(ct.float32)
-            acc = acc * (zf / (1.0 + exp2(zf * -LOG2E)))
+            acc = acc * silu(zf)
         ct.store(y, (b, r, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
 
         s = weighted_state_product(xs, bm, w, s * exp2(step * LOG2E))

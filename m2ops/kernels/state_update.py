@@ -21,7 +21,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .chunk_cumsum import softplus
-from .common import Big, ConstInt
+from .common import Big, ConstInt, silu
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -68,5 +68,5 @@ def state_update_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt
         acc = acc + xp * dv
     if has_z != 0:
         zf = ct.load(z, (b, h, pt), shape=(1, 1, TP), padding_mode=_ZERO).reshape((TP,)).astype(ct.float32)
-        acc = acc * (zf / (1.0 + ct.exp(-zf)))
+        acc = acc * silu(zf)
     ct.store(y, (b, h, pt), acc.astype(y.dtype).reshape((1, 1, TP)))

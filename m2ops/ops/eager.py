@@ -95,5 +95,11 @@ class _ScanCombined(torch.autograd.Function):
 
 def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max):
     """y and the final states, as ops.chunk_cumsum followed by ops.chunk_scan would give them."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, dt, A, B, C, D, z, dt_bias, initial_states))):
+        # Nothing to differentiate: the launchers without the autograd Function (its context and saved tensors
+        # cost the host about 10 us a call; inference and benchmarks take this path).
+        dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, bool(dt_softplus), dt_min, dt_max)
+        return _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
     return _ScanCombined.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size,
                                bool(dt_softplus), dt_min, dt_max)
