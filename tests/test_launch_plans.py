@@ -1,0 +1,98 @@
+"""The launchers' kept plans (m2ops/kernels/launch.py, "launch plans") and the other host-path savings: a plan is
+reused for the same sizes and options, never where a switch or a profiling override changed what the launcher
+would choose; absent inputs share one dummy; D per head reaches compute_out as a (nheads, 1) view; the tuning
+file is reread only when it changed. The launches are recorded on the CPU, not run (the emulator tests check
+results)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2ops.kernels import autotune, launch
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The launches made while the fixture is active, as (kernel name, grid, args)."""
+    calls = []
+    monkeypatch.setattr(launch, "_launch", lambda grid, kernel, args, *rest:
+                        calls.append((kernel._pyfunc.__name__, grid, args)))
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    launch.clear_plans()
+    yield calls
+    launch.clear_plans()
+
+
+def _inputs(T=300, N=64, h=4, p=16, g=2):
+    x = torch.randn(1, T, h, p, dtype=torch.bfloat16)
+    B = torch.randn(1, T, g, N, dtype=torch.bfloat16)
+    dt = torch.rand(1, T, h)
+    dt_out, cs = launch.ref.chunk_cumsum(dt, -torch.rand(h), None, 256, True, 0.0, float("inf"))
+    return x, B, dt_out, cs
+
+
+def _state_launch(calls):
+    return [c for c in calls if c[0] == "chunk_state_kernel"][-1]
+
+
+def test_plan_is_kept_and_follows_switches_and_overrides(recorded, monkeypatch):
+    x, B, dt_out, cs = _inputs()
+    launch.fwd_pass_state(x, B, dt_out, cs, None, None, None, entering_dtype=torch.bfloat16)
+    first = launch._state_plan(1, 300, 4, 16, 2, 64, 256, "bfloat16", False, False, None, True, torch.bfloat16,
+                               x.device)
+    launch.fwd_pass_state(x, B, dt_out, cs, None, None, None, entering_dtype=torch.bfloat16)
+    assert launch._state_plan(1, 300, 4, 16, 2, 64, 256, "bfloat16", False, False, None, True, torch.bfloat16,
+                              x.device) is first
+    assert _state_launch(recorded)[2][5].dtype == torch.bfloat16  # local states in bfloat16 at chunk 256
+    tn = _state_launch(recorded)[2][6 + 8]  # TN: after the 6 arrays and 8 other arguments
+    assert tn == launch.chunk_state_tn(64)
+
+    monkeypatch.setattr(launch, "LOCAL_STATES_IN_BF16", False)  # a switch: a new plan
+    launch.fwd_pass_state(x, B, dt_out, cs, None, None, None, entering_dtype=torch.bfloat16)
+    assert _state_launch(recorded)[2][5].dtype == torch.float32
+
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"TN": 128}})  # an override: never kept
+    launch.fwd_pass_state(x, B, dt_out, cs, None, None, None, entering_dtype=torch.bfloat16)
+    assert _state_launch(recorded)[2][6 + 8] == 128
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {})
+    launch.fwd_pass_state(x, B, dt_out, cs, None, None, None, entering_dtype=torch.bfloat16)
+    assert _state_launch(recorded)[2][6 + 8] == launch.chunk_state_tn(64)
+
+
+def test_dummies_are_shared_and_d_per_head_is_a_view(recorded):
+    x, B, dt_out, cs = _inputs()
+    states = torch.zeros(1, 2, 4, 16, 64, dtype=torch.bfloat16)
+    D = torch.rand(4)
+    launch.compute_out(x, dt_out, cs, B, B, states, D, None, None)
+    launch.compute_out(x, dt_out, cs, B, B, states, D, None, None)
+    a, b = [c[2] for c in recorded if c[0] == "compute_out_kernel"]
+    assert a[8] is b[8]  # seq_idx absent: the same dummy each call
+    Dk, has_d = a[6], a[15]
+    assert has_d == 1 and Dk.shape == (4, 1) and Dk.data_ptr() == D.data_ptr()  # no copy
+    Dhp = torch.rand(4, 16)
+    launch.compute_out(x, dt_out, cs, B, B, states, Dhp, None, None)
+    c = [c[2] for c in recorded if c[0] == "compute_out_kernel"][-1]
+    assert c[15] == 2 and c[6].shape == (4, 16)
+    launch.compute_out(x, dt_out, cs, B, B, states, None, None, None)
+    assert [c[2] for c in recorded if c[0] == "compute_out_kernel"][-1][15] == 0
+
+
+def test_tuning_file_is_reread_only_when_it_changes(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    path.write_text("{}")
+    monkeypatch.setenv("M2OPS_TUNING_CACHE", str(path))
+    autotune.forget()
+    loads = []
+    real = autotune._load
+    monkeypatch.setattr(autotune, "_load", lambda: loads.append(1) or real())
+    for _ in range(5):
+        assert autotune.lookup("absent") is None
+    assert len(loads) == 1
+    path.write_text('{"k": {"config": {"a": 1}}}')
+    import os
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # a later modification time
+    assert autotune.lookup("k") == {"a": 1}
+    assert len(loads) == 2
+    autotune.forget()
