@@ -11,8 +11,8 @@ state_update (the one-token decode op) is at the end.
 
 Inputs are read in place through their strides (any layout, no padding copies), with these exceptions, each
 one copy of a small or rare tensor:
-- A, dt_bias, D and initial_states are converted to float32 when they are not (D is also expanded to
-  (nheads, headdim)); seq_idx and cu_seqlens to int32 when they are int64;
+- A, dt_bias, D and initial_states are converted to float32 when they are not (the backward also expands a
+  per-head D to (nheads, headdim)); seq_idx and cu_seqlens to int32 when they are int64;
 - when x, B, C (and z) differ in dtype, they are converted to their promoted dtype and y is converted back;
 - a tensor with a zero stride over a dimension longer than one (an expanded view) is made contiguous,
   because the kernels assume distinct indices address distinct elements.
