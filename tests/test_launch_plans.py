@@ -6,6 +6,8 @@ results)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -90,7 +92,6 @@ def test_tuning_file_is_reread_only_when_it_changes(tmp_path, monkeypatch):
         assert autotune.lookup("absent") is None
     assert len(loads) == 1
     path.write_text('{"k": {"config": {"a": 1}}}')
-    import os
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # a later modification time
     assert autotune.lookup("k") == {"a": 1}

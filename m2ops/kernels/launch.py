@@ -393,10 +393,8 @@ def _d_arg(D, like):
 
 def _d_per_channel(D, nheads, headdim, like):
     """D as the float32 (nheads, headdim) array the backward's kernels read (a dummy when D is None)."""
-    if D is None:
-        return _dummy(like, torch.float32, 2)
-    Dk = _as(D, torch.float32)
-    return (Dk[:, None] if Dk.dim() == 1 else Dk).expand(nheads, headdim).contiguous()
+    Dk, has_d = _d_arg(D, like)
+    return Dk.expand(nheads, headdim).contiguous() if has_d else Dk
 
 
 def _kernel_dtype(*tensors) -> bool:

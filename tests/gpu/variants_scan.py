@@ -12,6 +12,7 @@ profile_scan.py: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -71,7 +72,33 @@ VARIANTS = {
     "state TN64": ({"chunk_state": {"TN": 64}}, {}, True, "cb16", "states16", "local16"),
     "state TN64 occ 4": ({"chunk_state": {"TN": 64}}, {"chunk_state": {"occupancy": 4}}, True, "cb16", "states16",
                          "local16"),
+    # chunk_state at short sequences (T=1K: 4 chunks, 320 programs at HB 2 for 132 SMs): one head per program,
+    # and 64-wide dstate tiles, for more programs
+    "state HB1": ({"chunk_state": {"HB": 1}}, {}, True, "cb16", "states16", "local16"),
+    "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
 }
+
+
+@contextlib.contextmanager
+def variant(name):
+    """The module's switches set as VARIANTS[name] says for the duration, then restored."""
+    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16
+    consts, hints, narrow = VARIANTS[name][:3]
+    index_width.NARROW_INDEX = narrow
+    launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
+    launch.STATES_IN_BF16 = "states16" in VARIANTS[name][3:]
+    launch.LOCAL_STATES_IN_BF16 = "local16" in VARIANTS[name][3:]
+    launch.CONSTANT_OVERRIDE.clear()
+    launch.CONSTANT_OVERRIDE.update(consts)
+    launch.HINT_OVERRIDE.clear()
+    launch.HINT_OVERRIDE.update(hints)
+    try:
+        yield
+    finally:
+        launch.CONSTANT_OVERRIDE.clear()
+        launch.HINT_OVERRIDE.clear()
+        (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
+         launch.LOCAL_STATES_IN_BF16) = defaults
 
 
 def main():
@@ -82,38 +109,23 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16
     for spec in args.shapes.split(","):
         t_s, n_s = spec.split(":")
         T, N, L = parse_sizes(t_s)[0], int(n_s), args.chunk
         case = scan_case(T, N, L)
         call = lambda: public_call(case, return_final_states=True)  # noqa: E731
         # errors are against the 64-bit-indexed kernels with float32 C . B^T and states
-        index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16 = False, False, False
-        launch.LOCAL_STATES_IN_BF16 = False
-        y0, fin0 = call()
+        with variant("index64"):
+            y0, fin0 = call()
         for name in args.variants.split(","):
-            consts, hints, narrow = VARIANTS[name][:3]
-            index_width.NARROW_INDEX = narrow
-            launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
-            launch.STATES_IN_BF16 = "states16" in VARIANTS[name][3:]
-            launch.LOCAL_STATES_IN_BF16 = "local16" in VARIANTS[name][3:]
-            launch.CONSTANT_OVERRIDE.clear()
-            launch.CONSTANT_OVERRIDE.update(consts)
-            launch.HINT_OVERRIDE.clear()
-            launch.HINT_OVERRIDE.update(hints)
             t0 = time.time()
             try:
-                y, fin = call()
-                r = dict(T=T, N=N, L=L, variant=name, err_y=rel_err(y, y0), err_final=rel_err(fin, fin0),
-                         ms=_median_ms(call), kernels=_kernel_times(call))
+                with variant(name):
+                    y, fin = call()
+                    r = dict(T=T, N=N, L=L, variant=name, err_y=rel_err(y, y0), err_final=rel_err(fin, fin0),
+                             ms=_median_ms(call), kernels=_kernel_times(call))
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                 r = dict(T=T, N=N, L=L, variant=name, error=f"{type(e).__name__}: {e}"[:300])
-            finally:
-                launch.CONSTANT_OVERRIDE.clear()
-                launch.HINT_OVERRIDE.clear()
-                (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
-                 launch.LOCAL_STATES_IN_BF16) = defaults
             rows.append(r)
             if "error" in r:
                 print(f"T={T} N={N} {name:15s} ERROR {r['error']}", flush=True)
