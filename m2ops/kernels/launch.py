@@ -29,7 +29,7 @@ import torch
 
 import cuda.tile as ct
 
-from ..meta.shapes import cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
+from ..meta.shapes import cb_shape, cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
 from . import autotune, index_width
@@ -644,7 +644,7 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
                          k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
-    return _OutPlan((b, num_chunks(T, L), g, L, L), getattr(torch, cb_dtype_name(dname)),
+    return _OutPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)),
                     k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out)
 
 
@@ -822,8 +822,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
         cb = None
         if CB_OVERLAP and _out_applies(dt_out, x, C, B, z, dA_cumsum):
             # before the state kernels: the allocator must not hand chunk_cb memory they still use
-            b, T, _, _ = x.shape
-            cb = torch.empty((b, num_chunks(T, dt_out.shape[-1]), B.shape[2], dt_out.shape[-1], dt_out.shape[-1]),
+            cb = torch.empty(cb_shape(x.shape[0], x.shape[1], B.shape[2], dt_out.shape[-1]),
                              dtype=getattr(torch, cb_dtype_name(_dtype_name(mma_dtype))), device=x.device)
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..meta.shapes import num_chunks
+from ..meta.shapes import cb_shape, num_chunks
 from ..reference import chunked_backward as ref_bwd
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
@@ -264,7 +264,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     G = gy.to(getattr(torch, g_dtype_name(launch._dtype_name(mma_dtype)))).contiguous()
 
     # C . B^T per (chunk, group), as in the forward.
-    cb = torch.empty((b, nchunks, g, L, L), dtype=torch.float32, device=dev)
+    cb = torch.empty(cb_shape(b, T, g, L), dtype=torch.float32, device=dev)
     kc = chunk_cb_constants(L)
     launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel,
                    (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"], kc["LATE"]))

@@ -26,6 +26,11 @@ def states_shape(batch, nchunks, nheads, headdim, dstate):
     return (batch, nchunks, nheads, headdim, dstate)
 
 
+def cb_shape(batch, seqlen, ngroups, chunk_size):
+    """C . B^T per chunk and group (the scratch chunk_cb writes): (batch, nchunks, ngroups, chunk_size, chunk_size)."""
+    return (batch, num_chunks(seqlen, chunk_size), ngroups, chunk_size, chunk_size)
+
+
 def final_states_shape(batch, nheads, headdim, dstate):
     return (batch, nheads, headdim, dstate)
 

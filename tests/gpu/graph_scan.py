@@ -13,6 +13,7 @@ must agree to the bit. Tuning is off (gpu_cases sets M2OPS_AUTOTUNE=0): the laun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,10 +42,7 @@ def main():
         t_s, n_s = spec.split(":")
         case = scan_case(parse_sizes(t_s)[0], int(n_s), args.chunk)
         for name in (args.variants.split(",") if args.variants else [None]):
-            if name is None:
-                rows.append(_replays(case, n_s, args.chunk, None))
-                continue
-            with variant(name):
+            with variant(name) if name else contextlib.nullcontext():
                 rows.append(_replays(case, n_s, args.chunk, name))
     launch.PDL = True
     if args.json:

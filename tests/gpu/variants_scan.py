@@ -86,12 +86,12 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.CB_OVERLAP)
-    consts, hints, narrow = VARIANTS[name][:3]
-    launch.CB_OVERLAP = "cboverlap" in VARIANTS[name][3:]
+    consts, hints, narrow, *flags = VARIANTS[name]
     index_width.NARROW_INDEX = narrow
-    launch.CB_IN_BF16 = "cb16" in VARIANTS[name][3:]
-    launch.STATES_IN_BF16 = "states16" in VARIANTS[name][3:]
-    launch.LOCAL_STATES_IN_BF16 = "local16" in VARIANTS[name][3:]
+    launch.CB_IN_BF16 = "cb16" in flags
+    launch.STATES_IN_BF16 = "states16" in flags
+    launch.LOCAL_STATES_IN_BF16 = "local16" in flags
+    launch.CB_OVERLAP = "cboverlap" in flags
     launch.CONSTANT_OVERRIDE.clear()
     launch.CONSTANT_OVERRIDE.update(consts)
     launch.HINT_OVERRIDE.clear()
