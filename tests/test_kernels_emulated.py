@@ -550,36 +550,6 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
-@pytest.mark.parametrize("seq_idx", [False, True])
-@pytest.mark.parametrize("sm_count", [1, 3])
-def test_compute_out_persistent_walk(monkeypatch, seq_idx, sm_count):
-    """compute_out with PERSIST (an experiment, off by default): a grid of occupancy x SMs programs per batch row,
-    each walking the tiles a grid apart, gives the same bits as one program per tile; so does LAT (loads'
-    latency hint, which only the compiler reads)."""
-    case = _bf16_case(chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16, dstate=64, D="h",
-                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=11)
-    _, _, _, mid = reference_forward(case)
-    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
-            case["seq_idx"])
-    grids = []
-    with emulated_kernels(sm_count=sm_count):
-        emulated = launch._launch
-
-        def spy(grid, kernel, kargs, *rest):
-            if kernel._pyfunc.__name__ == "compute_out_kernel":
-                grids.append((grid, kargs[17]))
-            return emulated(grid, kernel, kargs, *rest)
-
-        launch._launch = spy
-        plain = launch.compute_out(*args)
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"PERSIST": True, "LAT": 4}})
-        walked = launch.compute_out(*args)
-    assert torch.equal(plain, walked)
-    (g_plain, n_tiles), (g_walk, n_tiles2) = grids
-    occ = launch.kernel_hints("compute_out", "bfloat16", 128).get("occupancy", 1)
-    assert g_plain[0] == n_tiles == n_tiles2 and g_walk[0] == min(n_tiles, -(-occ * sm_count // 2)) < n_tiles
-
-
 @pytest.mark.parametrize("dstate", [64, 128, 100])
 def test_wider_dstate_tiles(monkeypatch, dstate):
     """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the

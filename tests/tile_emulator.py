@@ -57,14 +57,10 @@ class _Emu:
 
     def __init__(self):
         self.bids = (0, 0, 0)
-        self.grid = (1, 1, 1)
 
     # ---- program ids ----
     def bid(self, axis):
         return self.bids[axis]
-
-    def num_blocks(self, axis):
-        return self.grid[axis]
 
     # ---- memory ----
     @staticmethod
@@ -199,7 +195,6 @@ def run(kernel, grid, args, emu: _Emu):
     """Every program of grid (x, y, z), in order, on the kernel's Python body."""
     fn = kernel._pyfunc
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    emu.grid = (gx, gy, gz)
     for z in range(gz):
         for y in range(gy):
             for x in range(gx):

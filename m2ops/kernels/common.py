@@ -93,21 +93,14 @@ def dependent_launch_prologue():
     ct.grid_dependency_control_launch_dependents()
 
 
-def load_tile(array, index, shape, CHK, LAT=0):
+def load_tile(array, index, shape, CHK):
     """A zero-padded, bounds-checked tile load; or, with CHK False (the launcher found every tile inside its
     array: launch.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.
-    tileiras 13.4 rejects check_bounds=False together with a padding mode, hence the two calls. LAT (a
-    constant): the load's latency hint, 1 (light DRAM traffic) to 10 (heavy); 0 leaves it to the compiler."""
-    if LAT > 0:
-        if CHK:
-            t = ct.load(array, index, shape=shape, padding_mode=ct.PaddingMode.ZERO, latency=LAT)
-        else:
-            t = ct.load(array, index, shape=shape, check_bounds=False, latency=LAT)
+    tileiras 13.4 rejects check_bounds=False together with a padding mode, hence the two calls."""
+    if CHK:
+        t = ct.load(array, index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
     else:
-        if CHK:
-            t = ct.load(array, index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
-        else:
-            t = ct.load(array, index, shape=shape, check_bounds=False)
+        t = ct.load(array, index, shape=shape, check_bounds=False)
     return t
 
 

@@ -30,25 +30,12 @@ _ZERO = ct.PaddingMode.ZERO
 def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                        seq_idx: Big, y: Big,
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
-                       has_d: int, has_z: int, n_tiles: int,
+                       has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, SBF: ConstBool, PERSIST: ConstBool, LAT: ConstInt):
+                       CHK: ConstBool, SBF: ConstBool):
     dependent_launch_prologue()
+    pid = ct.bid(0)
     b = ct.bid(1)
-    if PERSIST:
-        # A fixed grid (launch: a few programs per SM), each walking tiles n_tiles apart by the grid's size,
-        # in the order the one-tile grid would have run them.
-        for pid in range(ct.bid(0), n_tiles, ct.num_blocks(0)):
-            _out_tile(pid, b, x, dt_out, dA_cumsum, C, cb, states, D, z, seq_idx, y, nheads, heads_per_group,
-                      dstate, n_ptiles, has_d, has_z, L, BL, TP, TN, HAS_SEQ, CHK, SBF, LAT)
-    else:
-        _out_tile(ct.bid(0), b, x, dt_out, dA_cumsum, C, cb, states, D, z, seq_idx, y, nheads, heads_per_group,
-                  dstate, n_ptiles, has_d, has_z, L, BL, TP, TN, HAS_SEQ, CHK, SBF, LAT)
-
-
-def _out_tile(pid, b, x, dt_out, dA_cumsum, C, cb, states, D, z, seq_idx, y, nheads, heads_per_group, dstate,
-              n_ptiles, has_d, has_z, L, BL, TP, TN, HAS_SEQ, CHK, SBF, LAT):
-    """y's tile pid of batch row b (the kernel's body; see the module's docstring)."""
     pt = pid % n_ptiles
     rest = pid // n_ptiles
     h = rest % nheads
@@ -79,7 +66,7 @@ def _out_tile(pid, b, x, dt_out, dA_cumsum, C, cb, states, D, z, seq_idx, y, nhe
     acc = ct.zeros((BL, TP), dtype=ct.float32)
     for k in range(n_ntiles):
         ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK, LAT).reshape((TP, TN))
+        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
         if SBF:
             acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
         else:
@@ -93,14 +80,15 @@ def _out_tile(pid, b, x, dt_out, dA_cumsum, C, cb, states, D, z, seq_idx, y, nhe
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
     for jb in range(m):
         jrow = c * blocks_per_chunk + jb
-        cbt = load_tile(cb, (b, c, g, m, jb), (1, 1, 1, BL, BL), False, LAT).reshape((BL, BL))
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((BL, BL))
         cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
         if HAS_SEQ:
             seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
             wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
-        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK, LAT).reshape((BL, TP))
+        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
     acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 

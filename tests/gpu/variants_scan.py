@@ -78,14 +78,6 @@ VARIANTS = {
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
     # chunk_cb's work overlapping state_passing's (launch.CB_OVERLAP; chunk_cb.py, LATE), on the defaults
     "cb overlap": ({}, {}, True, "cb16", "states16", "local16", "cboverlap"),
-    # compute_out as a fixed grid of occupancy x SMs programs walking the tiles (PERSIST), and its loop loads'
-    # latency hint (LAT), on the defaults
-    "out persistent": ({"compute_out": {"PERSIST": True}}, {}, True, "cb16", "states16", "local16"),
-    "out persistent occ 2": ({"compute_out": {"PERSIST": True}}, {"compute_out": {"occupancy": 2}}, True, "cb16",
-                             "states16", "local16"),
-    "out LAT 3": ({"compute_out": {"LAT": 3}}, {}, True, "cb16", "states16", "local16"),
-    "out LAT 8": ({"compute_out": {"LAT": 8}}, {}, True, "cb16", "states16", "local16"),
-    "out persistent LAT 3": ({"compute_out": {"PERSIST": True, "LAT": 3}}, {}, True, "cb16", "states16", "local16"),
 }
 
 
