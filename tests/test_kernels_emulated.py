@@ -550,6 +550,23 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
+@pytest.mark.parametrize("seq_idx", [False, True])
+@pytest.mark.parametrize("early,unroll", [(True, False), (False, True), (True, True)])
+def test_compute_out_load_order_experiments(monkeypatch, seq_idx, early, unroll):
+    """compute_out's EARLY (diagonal tiles loaded first) and UNROLL (L/BL - 1 unrolled column steps, the dead
+    ones with zero weights), experiments off by default: the same bits as the defaults."""
+    case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
+                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=13)
+    _, _, _, mid = reference_forward(case)
+    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
+            case["seq_idx"])
+    with emulated_kernels():
+        plain = launch.compute_out(*args)
+        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"EARLY": early, "UNROLL": unroll}})
+        other = launch.compute_out(*args)
+    assert torch.equal(plain, other)
+
+
 @pytest.mark.parametrize("dstate", [64, 128, 100])
 def test_wider_dstate_tiles(monkeypatch, dstate):
     """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the

@@ -62,6 +62,10 @@ class _Emu:
     def bid(self, axis):
         return self.bids[axis]
 
+    @staticmethod
+    def static_iter(iterable):
+        return iterable
+
     # ---- memory ----
     @staticmethod
     def _origin(index, shape):
