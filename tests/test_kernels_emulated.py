@@ -551,18 +551,18 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
 
 
 @pytest.mark.parametrize("seq_idx", [False, True])
-@pytest.mark.parametrize("early,unroll", [(True, False), (False, True), (True, True)])
-def test_compute_out_load_order_experiments(monkeypatch, seq_idx, early, unroll):
-    """compute_out's EARLY (diagonal tiles loaded first) and UNROLL (L/BL - 1 unrolled column steps, the dead
-    ones with zero weights), experiments off by default: the same bits as the defaults."""
-    case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_compute_out_prefetch(monkeypatch, seq_idx, chunk):
+    """compute_out's PREFETCH (the column walk's tiles loaded one step ahead; an experiment, off by default):
+    the same bits as the defaults."""
+    case = _bf16_case(chunk_size=chunk, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
                       z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=13)
     _, _, _, mid = reference_forward(case)
     args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
             case["seq_idx"])
     with emulated_kernels():
         plain = launch.compute_out(*args)
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"EARLY": early, "UNROLL": unroll}})
+        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"PREFETCH": True}})
         other = launch.compute_out(*args)
     assert torch.equal(plain, other)
 

@@ -32,7 +32,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, SBF: ConstBool, EARLY: ConstBool, UNROLL: ConstBool):
+                       CHK: ConstBool, SBF: ConstBool, PREFETCH: ConstBool):
     dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -57,13 +57,21 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
-    seq_i = 0
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
 
-    if EARLY:  # (an experiment) the diagonal block's tiles requested before the rest of the program's work
+    # The diagonal block's tiles are requested first, ahead of the state product and the column loop: 1.5-2.5%
+    # less compute_out time on the H200 than loading them where they are used (docs/performance-log.md, v21).
+    if PREFETCH:
+        # (an experiment) the column walk's tiles one step ahead: column block 0's first (for m == 0 the
+        # diagonal block), and after the walk's last step the diagonal block's are the ones in hand.
+        cbd = ct.load(cb, (b, c, g, m, 0), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+        xi = load_tile(x, (b, c * blocks_per_chunk, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        csn = ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dtn = ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+    else:
         cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
         xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
 
@@ -83,16 +91,28 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         acc = acc * exp2(csl_s)
 
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
-    if UNROLL:
-        # (an experiment) every program makes L/BL - 1 steps, unrolled, so that their loads need not wait for a
-        # run-time trip count; steps jj >= m re-read block m (inside the written triangle) with zero weights.
-        for jj in ct.static_iter(range(L // BL - 1)):
-            acc = _column_block(acc, ct.minimum(jj, m), jj < m, b, c, g, h, m, pt, x, dt_out, dA_cumsum, cb,
-                                seq_idx, seq_i, csl_s, blocks_per_chunk, BL, TP, HAS_SEQ, CHK, mma_dtype, True)
-    else:
-        for jb in range(m):
-            acc = _column_block(acc, jb, True, b, c, g, h, m, pt, x, dt_out, dA_cumsum, cb, seq_idx, seq_i, csl_s,
-                                blocks_per_chunk, BL, TP, HAS_SEQ, CHK, mma_dtype, False)
+    for jb in range(m):
+        jrow = c * blocks_per_chunk + jb
+        if PREFETCH:
+            cbt = cbd
+            xj = xi
+            cs_j = csn
+            dt_j = dtn
+            cbd = ct.load(cb, (b, c, g, m, jb + 1), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+            xi = load_tile(x, (b, jrow + 1, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+            csn = ct.load(dA_cumsum, (b, h, c, jb + 1), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+            dtn = ct.load(dt_out, (b, h, c, jb + 1), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        else:
+            cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                          check_bounds=False).reshape((BL, BL))
+            cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+            dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+            xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
+        if HAS_SEQ:
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
+        acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
     acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 
     # The diagonal block: causal mask (and same sequence), decay formed per element.
@@ -101,9 +121,6 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     if HAS_SEQ:
         keep = keep & (seq_i[:, None] == seq_i[None, :])
     decay = diag_decay(cs_i, keep)
-    if not EARLY:
-        cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-        xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
     wgt = scale_by(cbd, decay * dt_i[None, :])
     acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
 
@@ -119,23 +136,3 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         zf = zi.astype(ct.float32)
         acc = acc * silu(zf)
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
-
-
-
-def _column_block(acc, jb, live, b, c, g, h, m, pt, x, dt_out, dA_cumsum, cb, seq_idx, seq_i, csl_s,
-                  blocks_per_chunk, BL, TP, HAS_SEQ, CHK, mma_dtype, MASKED):
-    """acc plus column block jb's share of row block m (weights zero where live is false)."""
-    jrow = c * blocks_per_chunk + jb
-    cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-    cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    # (where, not a product: for a dead step on block m itself the exponent is positive and may overflow)
-    colw = exp2(csl_s - cs_j * LOG2E) * dt_j
-    if MASKED:
-        colw = ct.where(live, colw, 0.0)
-    wgt = scale_by(cbt, colw[None, :])
-    if HAS_SEQ:
-        seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
-        wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
-    xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    return ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)

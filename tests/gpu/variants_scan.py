@@ -78,13 +78,10 @@ VARIANTS = {
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
     # chunk_cb's work overlapping state_passing's (launch.CB_OVERLAP; chunk_cb.py, LATE), on the defaults
     "cb overlap": ({}, {}, True, "cb16", "states16", "local16", "cboverlap"),
-    # compute_out's loads without waiting on a run-time trip count: the diagonal block's tiles first (EARLY), the
-    # column-block loop unrolled to L/BL - 1 steps with dead steps weighted zero (UNROLL), on the defaults
-    "out early": ({"compute_out": {"EARLY": True}}, {}, True, "cb16", "states16", "local16"),
-    "out unroll": ({"compute_out": {"UNROLL": True}}, {}, True, "cb16", "states16", "local16"),
-    "out early unroll": ({"compute_out": {"EARLY": True, "UNROLL": True}}, {}, True, "cb16", "states16", "local16"),
-    "out early unroll occ 3": ({"compute_out": {"EARLY": True, "UNROLL": True}}, {"compute_out": {"occupancy": 3}},
-                               True, "cb16", "states16", "local16"),
+    # compute_out's column walk with its tiles loaded one step ahead (PREFETCH), on the defaults
+    "out prefetch": ({"compute_out": {"PREFETCH": True}}, {}, True, "cb16", "states16", "local16"),
+    "out prefetch occ 3": ({"compute_out": {"PREFETCH": True}}, {"compute_out": {"occupancy": 3}}, True, "cb16",
+                           "states16", "local16"),
 }
 
 
