@@ -78,10 +78,8 @@ VARIANTS = {
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
     # chunk_cb's work overlapping state_passing's (launch.CB_OVERLAP; chunk_cb.py, LATE), on the defaults
     "cb overlap": ({}, {}, True, "cb16", "states16", "local16", "cboverlap"),
-    # compute_out's column walk with its tiles loaded one step ahead (PREFETCH), on the defaults
-    "out prefetch": ({"compute_out": {"PREFETCH": True}}, {}, True, "cb16", "states16", "local16"),
-    "out prefetch occ 3": ({"compute_out": {"PREFETCH": True}}, {"compute_out": {"occupancy": 3}}, True, "cb16",
-                           "states16", "local16"),
+    # compute_out's first column block's tiles requested with the diagonal block's (PEEL), on the defaults
+    "out peel": ({"compute_out": {"PEEL": True}}, {}, True, "cb16", "states16", "local16"),
 }
 
 
