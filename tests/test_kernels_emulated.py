@@ -550,24 +550,6 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
-@pytest.mark.parametrize("seq_idx", [False, True])
-@pytest.mark.parametrize("chunk", [64, 256])
-def test_compute_out_peeled_first_column(monkeypatch, seq_idx, chunk):
-    """compute_out's PEEL (the first column block's tiles requested with the diagonal's; an experiment, off by
-    default):
-    the same bits as the defaults."""
-    case = _bf16_case(chunk_size=chunk, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
-                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=13)
-    _, _, _, mid = reference_forward(case)
-    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
-            case["seq_idx"])
-    with emulated_kernels():
-        plain = launch.compute_out(*args)
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"PEEL": True}})
-        other = launch.compute_out(*args)
-    assert torch.equal(plain, other)
-
-
 @pytest.mark.parametrize("dstate", [64, 128, 100])
 def test_wider_dstate_tiles(monkeypatch, dstate):
     """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the

@@ -62,10 +62,6 @@ class _Emu:
     def bid(self, axis):
         return self.bids[axis]
 
-    @staticmethod
-    def static_iter(iterable):
-        return iterable
-
     # ---- memory ----
     @staticmethod
     def _origin(index, shape):

@@ -32,7 +32,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, SBF: ConstBool, PEEL: ConstBool):
+                       CHK: ConstBool, SBF: ConstBool):
     dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -57,21 +57,15 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
-    seq_i = 0
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
 
-    # The diagonal block's tiles are requested first, ahead of the state product and the column loop: 1.5-2.5%
-    # less compute_out time on the H200 than loading them where they are used (docs/performance-log.md, v21).
+    # The diagonal block's tiles are requested first, ahead of the state product and the column loop: 2-3% less
+    # compute_out time on the H200 than requesting them where they are used (docs/performance-log.md, v21).
     cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    if PEEL:
-        # (an experiment) column block 0's tiles requested here as well, for the walk's first step (where m == 0
-        # they are the diagonal block's again, and unused)
-        col0 = _column_tiles(cb, dA_cumsum, dt_out, x, seq_idx, b, c, g, h, m, 0, c * blocks_per_chunk, pt, BL, TP,
-                             HAS_SEQ, CHK)
 
     # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
     acc = ct.zeros((BL, TP), dtype=ct.float32)
@@ -89,15 +83,18 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         acc = acc * exp2(csl_s)
 
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
-    first = 0
-    if PEEL:
-        first = 1
-        if m > 0:
-            acc = _column_step(acc, col0, seq_i, csl_s, HAS_SEQ, mma_dtype)
-    for jb in range(first, m):
-        tiles = _column_tiles(cb, dA_cumsum, dt_out, x, seq_idx, b, c, g, h, m, jb, c * blocks_per_chunk + jb, pt,
-                              BL, TP, HAS_SEQ, CHK)
-        acc = _column_step(acc, tiles, seq_i, csl_s, HAS_SEQ, mma_dtype)
+    for jb in range(m):
+        jrow = c * blocks_per_chunk + jb
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((BL, BL))
+        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
+        if HAS_SEQ:
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
+        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
     acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 
     # The diagonal block: causal mask (and same sequence), decay formed per element.
@@ -121,25 +118,3 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         zf = zi.astype(ct.float32)
         acc = acc * silu(zf)
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
-
-
-def _column_tiles(cb, dA_cumsum, dt_out, x, seq_idx, b, c, g, h, m, jb, jrow, pt, BL, TP, HAS_SEQ, CHK):
-    """What row block m's step over column block jb (token block jrow) reads: CB_mj, cs_j, dt_j, x_j and, with
-    seq_idx, the sequence ids (else 0)."""
-    cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-    cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    seq_j = 0
-    if HAS_SEQ:
-        seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
-    return cbt, cs_j, dt_j, xj, seq_j
-
-
-def _column_step(acc, tiles, seq_i, csl_s, HAS_SEQ, mma_dtype):
-    """acc plus a column block's share: weights CB_ij * exp(cs_s - cs_j) * dt_j (same sequence only) times x_j."""
-    cbt, cs_j, dt_j, xj, seq_j = tiles
-    wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
-    if HAS_SEQ:
-        wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
-    return ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)

@@ -78,8 +78,6 @@ VARIANTS = {
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
     # chunk_cb's work overlapping state_passing's (launch.CB_OVERLAP; chunk_cb.py, LATE), on the defaults
     "cb overlap": ({}, {}, True, "cb16", "states16", "local16", "cboverlap"),
-    # compute_out's first column block's tiles requested with the diagonal block's (PEEL), on the defaults
-    "out peel": ({"compute_out": {"PEEL": True}}, {}, True, "cb16", "states16", "local16"),
 }
 
 
