@@ -30,35 +30,13 @@ def _first_call(kernel) -> str:
     return ast.dump(first)[:80]
 
 
-# Kernels that may wait at their end instead, under a LATE constant (launch.CB_OVERLAP): chunk_cb reads only C and
-# B, which no kernel of the scan writes.
-LATE_WAITERS = {"chunk_cb_kernel"}
-
-
-def _call_name(stmt) -> str:
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-        f = stmt.value.func
-        return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-    return ""
-
-
 def test_every_dependent_kernel_waits_first():
     """A kernel launched with PDL may start while its predecessor still runs: its first statement must be the
-    wait (common.dependent_launch_prologue), before any load or store. The late waiters start with `if LATE:`
-    (letting their dependents launch) `else:` the prologue, and end with `if LATE:` the wait, so that they
-    cannot finish before their predecessor."""
+    wait (common.dependent_launch_prologue), before any load or store."""
     kernels = {k._pyfunc.__name__: k for k in specs._KERNELS.values()}
     assert launch.PDL_KERNELS <= set(kernels)
-    for name in sorted(launch.PDL_KERNELS - LATE_WAITERS):
+    for name in sorted(launch.PDL_KERNELS):
         assert _first_call(kernels[name]) == "dependent_launch_prologue", name
-    for name in sorted(LATE_WAITERS):
-        body = _body(kernels[name])
-        first, last = body[0], body[-1]
-        assert isinstance(first, ast.If) and ast.unparse(first.test) == "LATE", name
-        assert [_call_name(s) for s in first.body] == ["grid_dependency_control_launch_dependents"], name
-        assert [_call_name(s) for s in first.orelse] == ["dependent_launch_prologue"], name
-        assert isinstance(last, ast.If) and ast.unparse(last.test) == "LATE" and not last.orelse, name
-        assert [_call_name(s) for s in last.body] == ["grid_dependency_control_wait"], name
 
 
 def test_kernels_without_pdl_never_wait():

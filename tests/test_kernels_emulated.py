@@ -634,39 +634,6 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("dtype,chunk,seq_idx", [(torch.bfloat16, 64, True), (torch.float32, 256, False),
-                                                 (torch.float16, 128, False)])
-def test_chunk_scan_with_cb_overlap(monkeypatch, dtype, chunk, seq_idx):
-    """launch.CB_OVERLAP (an experiment, off by default): chunk_scan allocates C . B^T before the state kernels and
-    launches chunk_cb with LATE (its wait at its end). Run one program at a time, as here, the results are the
-    same bits as without it; the launches say LATE, and no other launch of chunk_cb does."""
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    case = make_case(dtype=dtype, device="cpu", chunk_size=chunk, batch=2, seqlen=300, nheads=4, ngroups=2,
-                     headdim=16, dstate=32, D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=5)
-    _, _, _, mid = reference_forward(case)
-    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"], case["initial_states"], case["D"],
-            case["z"], case["seq_idx"])
-    late = []
-
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, kargs, *rest):
-            if kernel._pyfunc.__name__ == "chunk_cb_kernel":
-                late.append(kargs[-1])
-            return emulated(grid, kernel, kargs, *rest)
-
-        plain = launch.chunk_scan(*args)
-        launch._launch = spy  # (emulated_kernels puts the real one back)
-        monkeypatch.setattr(launch, "CB_OVERLAP", True)
-        overlapped = launch.chunk_scan(*args)
-        monkeypatch.setattr(launch, "CB_OVERLAP", False)
-        again = launch.chunk_scan(*args)
-    assert late == [True, False]
-    for a, b, c in zip(plain, overlapped, again):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-
 @pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block", [
     (torch.bfloat16, True, True, 256), (torch.float32, False, False, None), (torch.bfloat16, False, False, 1024)])
 def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block):

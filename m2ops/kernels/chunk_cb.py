@@ -15,21 +15,13 @@ which run next to each other, read it.
 
 The grid covers the row blocks that hold tokens (cdiv(seqlen, BL)), so no tile lies wholly outside C or B;
 rows past seqlen are zero-padded and give zero rows.
-
-LATE (an experiment, launch.CB_OVERLAP, off by default): chunk_cb reads only C and B, which no kernel of the scan
-writes, so under programmatic dependent launch it need not wait for the kernel before it (state_passing) to
-start, only to finish: with LATE it lets its own dependents be scheduled first and waits at its end. Its work
-then overlaps state_passing's, and since it cannot complete before state_passing has, compute_out's wait still
-covers every earlier write. Its launch was allowed only once every state_passing program had passed its own wait,
-so C and B are complete when it reads them. The launcher must allocate cb before the state kernels
-(launch._chunk_scan_with), or the allocator could give cb memory that state_passing is still reading.
 """
 
 from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt, dependent_launch_prologue
+from .common import Big, ConstInt, dependent_launch_prologue
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -37,11 +29,8 @@ _ZERO = ct.PaddingMode.ZERO
 @ct.kernel
 def chunk_cb_kernel(C: Big, B: Big, cb: Big,
                     dstate: int,
-                    L: ConstInt, BL: ConstInt, TN: ConstInt, LATE: ConstBool):
-    if LATE:
-        ct.grid_dependency_control_launch_dependents()
-    else:
-        dependent_launch_prologue()
+                    L: ConstInt, BL: ConstInt, TN: ConstInt):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     g = ct.bid(1)
     b = ct.bid(2)
@@ -61,5 +50,3 @@ def chunk_cb_kernel(C: Big, B: Big, cb: Big,
             bj = ct.load(B, (b, jrow, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             acc = ct.mma(ci.astype(mma_dtype), ct.transpose(bj.astype(mma_dtype)), acc)
         ct.store(cb, (b, c, g, m, jb), acc.astype(cb.dtype).reshape((1, 1, 1, BL, BL)))
-    if LATE:
-        ct.grid_dependency_control_wait()

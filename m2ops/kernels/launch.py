@@ -141,16 +141,8 @@ def state_passing_block(batch: int, nheads: int, state_elems: int, device) -> in
     return min(STATE_BLOCKS)
 
 
-def chunk_cb_constants(chunk_size: int, late: bool = False) -> dict:
-    """late: chunk_cb waits for the kernel before it at its end, not its start (CB_OVERLAP; chunk_cb.py)."""
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TN=TILE_N, LATE=bool(late))
-
-
-# An experiment, not yet measured on a GPU (docs/performance-log.md, eleventh session): chunk_scan's two-op path
-# allocates C . B^T before the state kernels and launches chunk_cb with LATE, so that under PDL its work overlaps
-# state_passing's instead of following it (a few hundredths of a ms at 64K tokens, 3-4 us of 60-92 at 1K).
-# M2OPS_CB_OVERLAP=1 turns it on.
-CB_OVERLAP = os.environ.get("M2OPS_CB_OVERLAP", "0") == "1"
+def chunk_cb_constants(chunk_size: int) -> dict:
+    return dict(L=chunk_size, BL=sub_block(chunk_size), TN=TILE_N)
 
 
 # Compiler hints (ct.kernel occupancy = CTAs per SM the register allocation aims for) per (kernel, input
@@ -632,13 +624,12 @@ class _OutPlan(NamedTuple):
 
 
 @_planned
-def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device, late=False) -> _OutPlan:
+def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device) -> _OutPlan:
     BL = sub_block(L)
     n_rblocks = cdiv(T, BL)
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
-    kc = chunk_cb_constants(L, late)
-    chunk_cb = _step((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (n, kc["L"], kc["BL"], kc["TN"], kc["LATE"]),
-                     device)
+    kc = chunk_cb_constants(L)
+    chunk_cb = _step((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (n, kc["L"], kc["BL"], kc["TN"]), device)
     n_ptiles = cdiv(p, TILE_P)
     k = _bounds_checked("compute_out", compute_out_constants(L, has_seq, dtype=dname), T, p, n)
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
@@ -654,9 +645,7 @@ def _out_applies(dt_out, *tensors) -> bool:
             and supported_chunk_size(dt_out.shape[-1]))
 
 
-def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, cb=None):
-    """cb: C . B^T's buffer, allocated by the caller before the state kernels were launched (CB_OVERLAP), for
-    chunk_cb to fill with LATE; None: allocated here, chunk_cb as usual."""
+def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     L = dt_out.shape[-1]
     if not _out_applies(dt_out, x, C, B, z, dA_cumsum, states):
         return ref.compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
@@ -669,9 +658,8 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, cb=None):
     Dk, has_d = _d_arg(D, x)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     plan = _out_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None, states.dtype, has_d,
-                     z is not None, dev, cb is not None)
-    if cb is None:
-        cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
+                     z is not None, dev)
+    cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
     plan.chunk_cb.launch((Ck, Bk, cb))
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
     plan.compute_out.launch((xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
@@ -817,18 +805,12 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
     if config["path"] == "split":
-        mma_dtype = _common_dtype(x, B, C, z)
-        bf16 = STATES_IN_BF16 and mma_dtype == torch.bfloat16
-        cb = None
-        if CB_OVERLAP and _out_applies(dt_out, x, C, B, z, dA_cumsum):
-            # before the state kernels: the allocator must not hand chunk_cb memory they still use
-            cb = torch.empty(cb_shape(x.shape[0], x.shape[1], B.shape[2], dt_out.shape[-1]),
-                             dtype=getattr(torch, cb_dtype_name(_dtype_name(mma_dtype))), device=x.device)
+        bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
                                                  entering_dtype=torch.bfloat16 if bf16 else None,
                                                  varlen_out=False)
-        y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, cb)
+        y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
         if keep_states:
             # Only the bfloat16 copy at the caller's chunk size: a float32 one is what a recompute replaces.
             kept = states if (states.dtype == torch.bfloat16 and dt_out.shape[-1] == L0) else None

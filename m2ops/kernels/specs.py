@@ -229,10 +229,8 @@ def all_specs() -> list[Spec]:
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
             cbd = launch.cb_dtype_name(dt)
-            # (and the forward's with LATE, launch.CB_OVERLAP)
-            for cb_dtype, late in sorted({(F32, False), (cbd, False), (cbd, True)}):
-                out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L, late),
-                                _params("chunk_cb", dt, cb_dtype=cb_dtype),
+            for cb_dtype in sorted({F32, cbd}):
+                out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt, cb_dtype=cb_dtype),
                                 dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
             for has_seq in (False, True):
                 for check in (True, False):

@@ -26,7 +26,7 @@ from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.kernels import index_width, launch  # noqa: E402
 
 # name -> (CONSTANT_OVERRIDE, HINT_OVERRIDE, 32-bit indexed twins on[, "cb16": launch.CB_IN_BF16,
-#          "states16": launch.STATES_IN_BF16, "local16": launch.LOCAL_STATES_IN_BF16, "cboverlap": launch.CB_OVERLAP])
+#          "states16": launch.STATES_IN_BF16, "local16": launch.LOCAL_STATES_IN_BF16])
 VARIANTS = {
     "index64": ({}, {}, False),
     "index32": ({}, {}, True),
@@ -76,22 +76,18 @@ VARIANTS = {
     # and 64-wide dstate tiles, for more programs
     "state HB1": ({"chunk_state": {"HB": 1}}, {}, True, "cb16", "states16", "local16"),
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
-    # chunk_cb's work overlapping state_passing's (launch.CB_OVERLAP; chunk_cb.py, LATE), on the defaults
-    "cb overlap": ({}, {}, True, "cb16", "states16", "local16", "cboverlap"),
 }
 
 
 @contextlib.contextmanager
 def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
-    defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
-                launch.CB_OVERLAP)
+    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16
     consts, hints, narrow, *flags = VARIANTS[name]
     index_width.NARROW_INDEX = narrow
     launch.CB_IN_BF16 = "cb16" in flags
     launch.STATES_IN_BF16 = "states16" in flags
     launch.LOCAL_STATES_IN_BF16 = "local16" in flags
-    launch.CB_OVERLAP = "cboverlap" in flags
     launch.CONSTANT_OVERRIDE.clear()
     launch.CONSTANT_OVERRIDE.update(consts)
     launch.HINT_OVERRIDE.clear()
@@ -101,8 +97,8 @@ def variant(name):
     finally:
         launch.CONSTANT_OVERRIDE.clear()
         launch.HINT_OVERRIDE.clear()
-        (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
-         launch.CB_OVERLAP) = defaults
+        (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
+         launch.LOCAL_STATES_IN_BF16) = defaults
 
 
 def main():
