@@ -685,21 +685,6 @@ def test_separate_carry_grad_rule(monkeypatch):
         assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
 
 
-def test_backward_switches_from_the_environment(monkeypatch):
-    """M2OPS_BWD_SEPARATE_CARRY / M2OPS_BWD_DCBW_PREFETCH: 1 on, 0 off, unset the launcher's choice; anything
-    else is an error naming the variable."""
-    from m2ops.kernels.launch_bwd import env_switch
-    for value, want in (("1", True), ("0", False), ("", None)):
-        monkeypatch.setenv("M2OPS_BWD_SEPARATE_CARRY", value)
-        assert env_switch("M2OPS_BWD_SEPARATE_CARRY") is want
-    monkeypatch.delenv("M2OPS_BWD_SEPARATE_CARRY")
-    assert env_switch("M2OPS_BWD_SEPARATE_CARRY") is None
-    for bad in ("true", "on", "2", " 1"):
-        monkeypatch.setenv("M2OPS_BWD_DCBW_PREFETCH", bad)
-        with pytest.raises(ValueError, match="M2OPS_BWD_DCBW_PREFETCH: expected 1 .* got"):
-            env_switch("M2OPS_BWD_DCBW_PREFETCH")
-
-
 def test_every_launch_above_is_a_compiled_specialisation():
     """Every launch the tests above ran (kernel, compiler options, array dtypes and ranks, constants; launches
     under a profiling override excluded) is one of m2ops.kernels.specs.all_specs(), the list the compile test

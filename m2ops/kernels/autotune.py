@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from .. import envvars
+
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}  # this process's view of the file, plus its own results
 _seen: list = [None]  # (path, modification time) of the file when _memory last read it
@@ -36,11 +38,11 @@ def cache_path() -> str:
 
 
 def enabled() -> bool:
-    return os.environ.get("M2OPS_AUTOTUNE", "1") not in ("0", "false", "off", "no")
+    return envvars.switch("M2OPS_AUTOTUNE", True)
 
 
 def budget_s() -> float:
-    return float(os.environ.get("M2OPS_TUNE_BUDGET_S", "20"))
+    return envvars.seconds("M2OPS_TUNE_BUDGET_S", 20.0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,14 +16,15 @@ memcheck as the 64-bit kernels and cut compute_out's time by about a third (docs
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 
 import torch
 
 import cuda.tile as ct
 
-NARROW_INDEX = os.environ.get("M2OPS_INDEX32", "1") not in ("", "0")
+from .. import envvars
+
+NARROW_INDEX = envvars.switch("M2OPS_INDEX32", True)
 _INT32_MAX = 2 ** 31 - 1
 
 

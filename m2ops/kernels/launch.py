@@ -21,7 +21,6 @@ one copy of a small or rare tensor:
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ import torch
 
 import cuda.tile as ct
 
+from .. import envvars
 from ..meta.shapes import cb_shape, cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
@@ -426,7 +426,7 @@ def _stream_handle() -> int:
 # GPUs of compute capability 9.0 and later: a kernel's launch and scheduling overlap the end of the kernel
 # before it, which matters where a call is a few short kernels (T = 1K: tens of microseconds in all).
 # M2OPS_PDL=0 turns it off.
-PDL = os.environ.get("M2OPS_PDL", "1") != "0"
+PDL = envvars.switch("M2OPS_PDL", True)
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
                          "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
                          "varlen_states_kernel"))

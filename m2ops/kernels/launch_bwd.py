@@ -11,10 +11,10 @@ runs them on the CPU in CI (tests/test_kernels_emulated.py) and tests/gpu/test_b
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import envvars
 from ..meta.shapes import cb_shape, num_chunks
 from ..reference import chunked_backward as ref_bwd
 from .chunk_cb import chunk_cb_kernel
@@ -41,15 +41,7 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 # T=64K dstate 64 6.91 / 7.38 (walk block 512), dstate 128 8.43 / 8.40 (block 1024), dstate 256 11.38 / 11.08,
 # dstate 512 18.29 / 17.61, T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force
 # one way; M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
-def env_switch(name: str) -> bool | None:
-    """An on / off environment switch: "1" on, "0" off, unset or empty None (the launcher's own choice)."""
-    value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name}: expected 1 (on) or 0 (off), got {value!r}")
-    return None if value == "" else value == "1"
-
-
-SEPARATE_CARRY_GRAD = env_switch("M2OPS_BWD_SEPARATE_CARRY")
+SEPARATE_CARRY_GRAD = envvars.switch("M2OPS_BWD_SEPARATE_CARRY", None)
 # The largest walk block (launch.state_passing_block) at which the sum is taken apart from the walk.
 SEPARATE_CARRY_MAX_BLOCK = 512
 
@@ -214,7 +206,7 @@ def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "floa
 # and x tiles while it works on this head's (compute_out_bwd.py, PF). At 64K tokens, 80 heads in one group, a
 # program walks all 80 heads in turn; the kernel took 1.24 ms at 64K/N=64 on an H200, 16% of the backward there.
 # M2OPS_BWD_DCBW_PREFETCH=1 turns it on.
-DCBW_PREFETCH = bool(env_switch("M2OPS_BWD_DCBW_PREFETCH"))
+DCBW_PREFETCH = envvars.switch("M2OPS_BWD_DCBW_PREFETCH", False)
 
 
 # Programs per SM out_bwd_dcbw aims for: its (row block, column block, group) pairs are split over the group's

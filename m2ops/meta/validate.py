@@ -7,10 +7,10 @@ it runs in eager mode only (see should_check_values).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import envvars
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _WHERE = "m2ops.mamba_chunk_scan_combined"
@@ -178,7 +178,7 @@ def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
 def should_check_values(*tensors) -> bool:
     """Content checks need a host copy: skipped while torch.compile traces or a CUDA graph captures, and
     when M2OPS_CHECK_VALUES=0."""
-    if all(t is None for t in tensors) or os.environ.get("M2OPS_CHECK_VALUES", "1") == "0":
+    if all(t is None for t in tensors) or not envvars.switch("M2OPS_CHECK_VALUES", True):
         return False
     if torch.compiler.is_compiling():
         return False

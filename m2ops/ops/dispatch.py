@@ -7,15 +7,16 @@ not support, or M2OPS_FORCE_REFERENCE=1) the PyTorch reference runs, after one w
 from __future__ import annotations
 
 import functools
-import os
 import warnings
+
+from .. import envvars
 
 FORCE_REFERENCE_ENV = "M2OPS_FORCE_REFERENCE"
 
 
 @functools.lru_cache(maxsize=None)
 def _reason_for_reference(device_index: int):
-    if os.environ.get(FORCE_REFERENCE_ENV, "0") not in ("", "0"):
+    if envvars.switch(FORCE_REFERENCE_ENV, False):
         return f"{FORCE_REFERENCE_ENV} is set"
     try:
         from .. import kernels

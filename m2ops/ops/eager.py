@@ -17,10 +17,10 @@ m2ops::compute_out_bwd, ...), so a trace names the same steps either way.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import envvars
 from . import dispatch
 from .chunk_scan import backward_with
 
@@ -32,7 +32,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # (batch, chunks, heads, headdim, dstate) in bfloat16, stays alive until the backward (2 * heads * headdim *
 # dstate / chunk_size bytes per token: 5 KB at 80 x 64 x 128, chunk 256). M2OPS_RECOMPUTE_STATES=1 keeps the
 # recompute (and the memory).
-KEEP_STATES = os.environ.get("M2OPS_RECOMPUTE_STATES", "0") in ("", "0")
+KEEP_STATES = not envvars.switch("M2OPS_RECOMPUTE_STATES", False)
 
 
 def applies(*tensors) -> bool:

@@ -1,0 +1,136 @@
+"""The environment variables of README's table: one parser (m2ops/envvars.py), the same spellings for every
+switch, and an error naming the variable for any other value, whether it is read at import or at each call."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from m2ops import envvars
+from m2ops.kernels import autotune
+from m2ops.meta import validate
+from m2ops.ops import dispatch
+
+
+@pytest.mark.parametrize("value,want", [("1", True), ("true", True), ("On", True), (" YES ", True),
+                                        ("0", False), ("false", False), ("OFF", False), ("no", False)])
+def test_switch_spellings(monkeypatch, value, want):
+    monkeypatch.setenv("M2OPS_SOME_SWITCH", value)
+    assert envvars.switch("M2OPS_SOME_SWITCH", None) is want
+
+
+@pytest.mark.parametrize("default", [True, False, None])
+def test_switch_unset_or_empty_is_the_default(monkeypatch, default):
+    monkeypatch.delenv("M2OPS_SOME_SWITCH", raising=False)
+    assert envvars.switch("M2OPS_SOME_SWITCH", default) is default
+    for empty in ("", "  "):
+        monkeypatch.setenv("M2OPS_SOME_SWITCH", empty)
+        assert envvars.switch("M2OPS_SOME_SWITCH", default) is default
+
+
+@pytest.mark.parametrize("bad", ["2", "ture", "of", "y", "1 0"])
+def test_switch_rejects_other_values_by_name(monkeypatch, bad):
+    monkeypatch.setenv("M2OPS_SOME_SWITCH", bad)
+    with pytest.raises(ValueError, match=rf"M2OPS_SOME_SWITCH={re.escape(repr(bad))}: expected 1 or 0"):
+        envvars.switch("M2OPS_SOME_SWITCH", True)
+
+
+def test_seconds(monkeypatch):
+    monkeypatch.delenv("M2OPS_SOME_SECONDS", raising=False)
+    assert envvars.seconds("M2OPS_SOME_SECONDS", 20.0) == 20.0
+    for raw, want in (("5", 5.0), (" 0.5 ", 0.5), ("0", 0.0)):
+        monkeypatch.setenv("M2OPS_SOME_SECONDS", raw)
+        assert envvars.seconds("M2OPS_SOME_SECONDS", 20.0) == want
+    for bad in ("-1", "nan", "ten", "5s"):
+        monkeypatch.setenv("M2OPS_SOME_SECONDS", bad)
+        with pytest.raises(ValueError, match="M2OPS_SOME_SECONDS=.*: expected a number of seconds >= 0"):
+            envvars.seconds("M2OPS_SOME_SECONDS", 20.0)
+
+
+def test_switches_read_at_each_call(monkeypatch):
+    """M2OPS_AUTOTUNE, M2OPS_TUNE_BUDGET_S, M2OPS_CHECK_VALUES and M2OPS_FORCE_REFERENCE take every spelling,
+    and a bad value is an error at the call."""
+    seq = torch.zeros(1, 4, dtype=torch.int32)
+    readers = {
+        "M2OPS_AUTOTUNE": (autotune.enabled, True),
+        "M2OPS_CHECK_VALUES": (lambda: validate.should_check_values(seq), True),
+        "M2OPS_FORCE_REFERENCE": (lambda: dispatch._reason_for_reference(0) == f"{dispatch.FORCE_REFERENCE_ENV} is set",
+                                  None),
+    }
+    for name, (read, default) in readers.items():
+        for value, want in (("off", False), ("no", False), ("on", True), ("1", True)):
+            monkeypatch.setenv(name, value)
+            dispatch._reason_for_reference.cache_clear()
+            assert read() is want, (name, value)
+        monkeypatch.setenv(name, "maybe")
+        dispatch._reason_for_reference.cache_clear()
+        with pytest.raises(ValueError, match=name):
+            read()
+        monkeypatch.delenv(name)
+    dispatch._reason_for_reference.cache_clear()
+    monkeypatch.setenv("M2OPS_TUNE_BUDGET_S", "3")
+    assert autotune.budget_s() == 3.0
+    monkeypatch.setenv("M2OPS_TUNE_BUDGET_S", "-3")
+    with pytest.raises(ValueError, match="M2OPS_TUNE_BUDGET_S"):
+        autotune.budget_s()
+
+
+# The switches read when their module is imported, and the module constant each sets.
+_AT_IMPORT = {
+    "M2OPS_PDL": "m2ops.kernels.launch.PDL",
+    "M2OPS_INDEX32": "m2ops.kernels.index_width.NARROW_INDEX",
+    "M2OPS_RECOMPUTE_STATES": "m2ops.ops.eager.KEEP_STATES",
+    "M2OPS_BWD_SEPARATE_CARRY": "m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD",
+    "M2OPS_BWD_DCBW_PREFETCH": "m2ops.kernels.launch_bwd.DCBW_PREFETCH",
+}
+
+
+def _import_and_print(env: dict) -> subprocess.CompletedProcess:
+    code = ("import importlib\n"
+            f"for path in {list(_AT_IMPORT.values())!r}:\n"
+            "    mod, attr = path.rsplit('.', 1)\n"
+            "    print(path, getattr(importlib.import_module(mod), attr))\n")
+    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("M2OPS_")}
+    return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_switches_read_at_import():
+    """Set to "off" (or "on"), each import-time switch gives its module constant; set to anything else, importing
+    the module fails with an error naming the variable."""
+    pytest.importorskip("cuda.tile")
+    done = _import_and_print({name: "off" for name in _AT_IMPORT})
+    assert done.returncode == 0, done.stderr
+    got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert got == {"m2ops.kernels.launch.PDL": "False", "m2ops.kernels.index_width.NARROW_INDEX": "False",
+                   "m2ops.ops.eager.KEEP_STATES": "True", "m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD": "False",
+                   "m2ops.kernels.launch_bwd.DCBW_PREFETCH": "False"}
+    done = _import_and_print({"M2OPS_RECOMPUTE_STATES": "on", "M2OPS_BWD_SEPARATE_CARRY": "yes"})
+    assert done.returncode == 0, done.stderr
+    got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert got["m2ops.ops.eager.KEEP_STATES"] == "False"
+    assert got["m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD"] == "True"
+    assert got["m2ops.kernels.launch.PDL"] == "True"  # unset: the default
+    for name in _AT_IMPORT:
+        done = _import_and_print({name: "sometimes"})
+        assert done.returncode != 0 and f"ValueError: {name}='sometimes': expected 1 or 0" in done.stderr, name
+
+
+def test_no_switch_is_read_outside_envvars():
+    """Every M2OPS_ variable in the package is read through m2ops/envvars.py, except M2OPS_TUNING_CACHE (a path);
+    setting one (the bench's workers) is not reading it."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "m2ops"
+    direct = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "envvars.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            read = re.search(r"environ\.get\(\s*\"M2OPS_|environ\[\s*\"M2OPS_\w*\"\s*\](?!\s*=[^=])", line)
+            if read and "M2OPS_TUNING_CACHE" not in line:
+                direct.append(f"{path.relative_to(root.parent)}:{n}: {line.strip()}")
+    assert not direct, "\n".join(direct)
