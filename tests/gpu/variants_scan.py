@@ -61,6 +61,8 @@ VARIANTS = {
     "out occ 2 (v21)": ({}, {"compute_out": {"occupancy": 2}}, True, "cb16", "states16", "local16"),
     "out occ 3 (v21)": ({}, {"compute_out": {"occupancy": 3}}, True, "cb16", "states16", "local16"),
     "out no occ (v21)": ({}, {"compute_out": {}}, True, "cb16", "states16", "local16"),
+    "out occ 5 (v21)": ({}, {"compute_out": {"occupancy": 5}}, True, "cb16", "states16", "local16"),
+    "out occ 6 (v21)": ({}, {"compute_out": {"occupancy": 6}}, True, "cb16", "states16", "local16"),
     # chunk_state with HB heads per program (each B tile read once per HB heads), on the defaults; registers
     # in tileiras 13.4's sm_90 build: HB2 TN128 247 (occupancy 2), HB2 TN64 128, HB4 TN64 255 (occupancy 2)
     "state HB2 occ 2": ({"chunk_state": {"HB": 2}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
