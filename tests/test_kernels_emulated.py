@@ -550,6 +550,36 @@ def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
+    """compute_out and chunk_cb with 128-row blocks at chunk 256 (a tests/gpu/variants_scan.py experiment): the
+    launcher's grid and C . B^T's blocks follow the constants' BL, and y stays within the bfloat16 tolerance."""
+    case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
+                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=17)
+    y_ref, _, _, mid = reference_forward(case)
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 128}})
+    blocks = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, kargs, *rest):
+            if kernel._pyfunc.__name__ in ("chunk_cb_kernel", "compute_out_kernel"):
+                blocks.append((kernel._pyfunc.__name__, grid[0], kargs[-2] if "cb" in kernel._pyfunc.__name__
+                               else kargs[-6]))
+            return emulated(grid, kernel, kargs, *rest)
+
+        launch._launch = spy
+        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                               case["D"], case["z"], case["seq_idx"])
+    _check(y, y_ref, "y", torch.bfloat16, "y")
+    # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
+    assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
+    with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
+        launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                           case["D"], case["z"], case["seq_idx"])
+
+
 @pytest.mark.parametrize("dstate", [64, 128, 100])
 def test_wider_dstate_tiles(monkeypatch, dstate):
     """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the

@@ -141,8 +141,9 @@ def state_passing_block(batch: int, nheads: int, state_elems: int, device) -> in
     return min(STATE_BLOCKS)
 
 
-def chunk_cb_constants(chunk_size: int) -> dict:
-    return dict(L=chunk_size, BL=sub_block(chunk_size), TN=TILE_N)
+def chunk_cb_constants(chunk_size: int, block: int | None = None) -> dict:
+    """block: the (block x block) tiles of C . B^T, compute_out's row block (default sub_block(chunk_size))."""
+    return dict(L=chunk_size, BL=block or sub_block(chunk_size), TN=TILE_N)
 
 
 # Compiler hints (ct.kernel occupancy = CTAs per SM the register allocation aims for) per (kernel, input
@@ -625,13 +626,16 @@ class _OutPlan(NamedTuple):
 
 @_planned
 def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device) -> _OutPlan:
-    BL = sub_block(L)
+    k = _bounds_checked("compute_out", compute_out_constants(L, has_seq, dtype=dname), T, p, n)
+    BL = k["BL"]  # sub_block(L), or a profiling override's (128-row blocks at chunk 256: an experiment)
+    if L % BL:
+        raise ValueError(f"compute_out's row block {BL} must divide the chunk size {L}")
     n_rblocks = cdiv(T, BL)
-    # C_i . B_j^T once per (chunk, group), lower-triangular blocks; compute_out reads it for every head.
-    kc = chunk_cb_constants(L)
+    # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block; compute_out reads
+    # it for every head.
+    kc = chunk_cb_constants(L, BL)
     chunk_cb = _step((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (n, kc["L"], kc["BL"], kc["TN"]), device)
     n_ptiles = cdiv(p, TILE_P)
-    k = _bounds_checked("compute_out", compute_out_constants(L, has_seq, dtype=dname), T, p, n)
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
                          k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)

@@ -63,6 +63,12 @@ VARIANTS = {
     "out no occ (v21)": ({}, {"compute_out": {}}, True, "cb16", "states16", "local16"),
     "out occ 5 (v21)": ({}, {"compute_out": {"occupancy": 5}}, True, "cb16", "states16", "local16"),
     "out occ 6 (v21)": ({}, {"compute_out": {"occupancy": 6}}, True, "cb16", "states16", "local16"),
+    # compute_out (and chunk_cb) with 128-row blocks at chunk 256: half a walk step per program on average instead
+    # of 1.5, each twice the work (tileiras 13.4, sm_90: 128 registers and small spills at occupancy 2)
+    "out BL128 occ 2": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 2}}, True, "cb16", "states16",
+                        "local16"),
+    "out BL128 occ 3": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 3}}, True, "cb16", "states16",
+                        "local16"),
     # chunk_state with HB heads per program (each B tile read once per HB heads), on the defaults; registers
     # in tileiras 13.4's sm_90 build: HB2 TN128 247 (occupancy 2), HB2 TN64 128, HB4 TN64 255 (occupancy 2)
     "state HB2 occ 2": ({"chunk_state": {"HB": 2}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
