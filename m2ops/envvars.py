@@ -33,10 +33,11 @@ def seconds(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     if raw.strip() == "":
         return default
+    error = ValueError(f"{name}={raw!r}: expected a number of seconds >= 0")
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
+        raise error from None
     if not value >= 0.0:  # (also rejects nan)
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds >= 0")
+        raise error
     return value

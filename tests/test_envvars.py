@@ -3,6 +3,7 @@ switch, and an error naming the variable for any other value, whether it is read
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -57,12 +58,11 @@ def test_switches_read_at_each_call(monkeypatch):
     and a bad value is an error at the call."""
     seq = torch.zeros(1, 4, dtype=torch.int32)
     readers = {
-        "M2OPS_AUTOTUNE": (autotune.enabled, True),
-        "M2OPS_CHECK_VALUES": (lambda: validate.should_check_values(seq), True),
-        "M2OPS_FORCE_REFERENCE": (lambda: dispatch._reason_for_reference(0) == f"{dispatch.FORCE_REFERENCE_ENV} is set",
-                                  None),
+        "M2OPS_AUTOTUNE": autotune.enabled,
+        "M2OPS_CHECK_VALUES": lambda: validate.should_check_values(seq),
+        "M2OPS_FORCE_REFERENCE": lambda: dispatch._reason_for_reference(0) == f"{dispatch.FORCE_REFERENCE_ENV} is set",
     }
-    for name, (read, default) in readers.items():
+    for name, read in readers.items():
         for value, want in (("off", False), ("no", False), ("on", True), ("1", True)):
             monkeypatch.setenv(name, value)
             dispatch._reason_for_reference.cache_clear()
@@ -95,7 +95,7 @@ def _import_and_print(env: dict) -> subprocess.CompletedProcess:
             f"for path in {list(_AT_IMPORT.values())!r}:\n"
             "    mod, attr = path.rsplit('.', 1)\n"
             "    print(path, getattr(importlib.import_module(mod), attr))\n")
-    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("M2OPS_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("M2OPS_")}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                           timeout=300)
 

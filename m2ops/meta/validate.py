@@ -7,10 +7,10 @@ it runs in eager mode only (see should_check_values).
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import envvars
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _WHERE = "m2ops.mamba_chunk_scan_combined"

@@ -17,7 +17,6 @@ m2ops::compute_out_bwd, ...), so a trace names the same steps either way.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import envvars
