@@ -110,3 +110,37 @@ def test_pretune_names_bad_shapes():
         m2ops.pretune([dict(dstate=128)])
     with pytest.raises(ValueError, match=r"unknown shape keys \['d_state'\]"):
         m2ops.pretune([dict(seqlen=1024, d_state=128)])
+
+
+@pytest.mark.parametrize("reported,expected", [("Cuda compilation tools, release 13.4, V13.4.92\n", "13.4.92"),
+                                               ("no version here\n", "none")])
+def test_tileiras_version_without_its_pip_package(monkeypatch, tmp_path, reported, expected):
+    """Where tileiras is not a pip package (a toolchain unpacked by hand, as on a machine without network), the
+    cache key takes the version the binary on PATH reports, or "none" when it reports none."""
+    from m2ops.kernels import autotune
+    fake = tmp_path / "tileiras"
+    fake.write_text(f"#!/bin/sh\nprintf '%s' '{reported}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr(autotune, "_version", lambda dist: "none" if dist == "nvidia-cuda-tileiras" else "1.7.0")
+    assert autotune.tileiras_version() == expected
+    autotune.environment_key.cache_clear()
+    try:
+        assert autotune.environment_key().endswith(f"|cuda-tile 1.7.0|tileiras {expected}")
+    finally:
+        autotune.environment_key.cache_clear()
+
+
+def test_tileiras_version_without_any_tileiras(monkeypatch, tmp_path):
+    from m2ops.kernels import autotune
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nothing"))
+    monkeypatch.setattr(autotune, "_version", lambda dist: "none")
+    assert autotune.tileiras_version() == "none"
+
+
+def test_tileiras_version_from_its_pip_package(monkeypatch):
+    from m2ops.kernels import autotune
+    monkeypatch.setattr(autotune, "_version", lambda dist: "13.4.92" if dist == "nvidia-cuda-tileiras" else "x")
+    monkeypatch.setattr(autotune.subprocess, "run", lambda *a, **k: pytest.fail("ran the binary"))
+    assert autotune.tileiras_version() == "13.4.92"

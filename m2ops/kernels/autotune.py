@@ -19,6 +19,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,7 +56,23 @@ def environment_key(device_index: int = 0) -> str:
         gpu = torch.cuda.get_device_name(device_index) if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - no CUDA runtime: key by "cpu"
         gpu = "cpu"
-    return f"{gpu}|cuda-tile {_version('cuda-tile')}|tileiras {_version('nvidia-cuda-tileiras')}"
+    return f"{gpu}|cuda-tile {_version('cuda-tile')}|tileiras {tileiras_version()}"
+
+
+def tileiras_version() -> str:
+    """The version of the tileiras that compiles the kernels: its pip package's, else what the binary cuda.tile
+    would find (on PATH, then under CUDA_HOME) reports. A toolchain unpacked outside pip, as on a machine without
+    network, has no package, and its results would otherwise be stored under "tileiras none"."""
+    v = _version("nvidia-cuda-tileiras")
+    if v != "none":
+        return v
+    binary = shutil.which("tileiras") or os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "tileiras")
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    m = re.search(r"\bV(\d+(?:\.\d+)+)", out)  # "Cuda compilation tools, release 13.4, V13.4.92"
+    return m.group(1) if m else "none"
 
 
 def _version(dist: str) -> str:
