@@ -78,6 +78,9 @@ VARIANTS = {
                             "cb16", "states16", "local16"),
     "out BL128 CT2 occ 4": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 4, "num_ctas": 2}}, True,
                             "cb16", "states16", "local16"),
+    # compute_out with eight worker warps (num_worker_warps; tileiras 13.4, sm_90: 384 threads, 56 registers, 69 KB
+    # of shared memory, so three CTAs per SM; 4,320 SASS instructions against 5,168)
+    "out W8": ({}, {"compute_out": {"occupancy": 3, "num_worker_warps": 8}}, True, "cb16", "states16", "local16"),
     # chunk_state with HB heads per program (each B tile read once per HB heads), on the defaults; registers
     # in tileiras 13.4's sm_90 build: HB2 TN128 247 (occupancy 2), HB2 TN64 128, HB4 TN64 255 (occupancy 2)
     "state HB2 occ 2": ({"chunk_state": {"HB": 2}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
