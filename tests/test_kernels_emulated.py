@@ -729,3 +729,119 @@ def test_every_launch_above_is_a_compiled_specialisation():
     unknown = sorted(LAUNCHED - known, key=str)
     assert not unknown, f"{len(unknown)} launched specialisations are not in all_specs(), e.g. {unknown[:2]}"
 
+
+
+def _forward_args(case):
+    return (case["x"], case["dt"], case["A"], case["B"], case["C"], case["chunk_size"], case["D"], case["z"],
+            case["dt_bias"], case["initial_states"], case["dt_softplus"], *map(float, case["dt_limit"]))
+
+
+def _launchers_forward(case):
+    """chunk_cumsum then chunk_scan, launcher by launcher (the path a ForwardPlan stands in for)."""
+    x, dt, A, B, C, L, D, z, bias, init, softplus, dt_min, dt_max = _forward_args(case)
+    dt_out, cs = launch.chunk_cumsum(dt, A, bias, L, softplus, dt_min, dt_max)
+    return launch.chunk_scan(x, dt_out, cs, B, C, init, D, z, None)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300, chunk_size=256),
+    dict(dtype=torch.bfloat16, D="hp", seqlen=130, chunk_size=64),
+    dict(dtype=torch.float16, dt_bias=False, dt_limit=(0.002, 0.3), dt_softplus=False, seqlen=97, chunk_size=32),
+    dict(dtype=torch.float32, z=True, initial_states=True, seqlen=64, chunk_size=64, batch=2),
+])
+def test_planned_forward_gives_the_launchers_bits(monkeypatch, opts):
+    """launch.planned_forward (the eager forward without gradients, planned once per signature) runs the same
+    kernels on the same buffers as chunk_cumsum then chunk_scan: the same bits. The plan is made on the first call
+    and reused on the second, and the public path's no-grad branch (eager.scan_combined) takes it."""
+    from m2ops.ops import eager
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, device="cpu", seed=5, **opts)
+    built, ran = [], []
+    real_plan, real_run = launch.forward_plan, launch.run_forward
+    monkeypatch.setattr(launch, "forward_plan", lambda *a: built.append(1) or real_plan(*a))
+    monkeypatch.setattr(launch, "run_forward", lambda *a: ran.append(1) or real_run(*a))
+    a = _forward_args(case)
+    with emulated_kernels():
+        y0, fin0 = _launchers_forward(case)
+        y1, fin1 = launch.planned_forward(*a)
+        y2, fin2 = launch.planned_forward(*a)
+        with torch.no_grad():
+            x, dt, A, B, C, L, D, z, bias, init, softplus, dt_min, dt_max = a
+            y3, fin3 = eager.scan_combined(x, dt, A, B, C, L, D, z, bias, init, None, softplus, dt_min, dt_max)
+    assert built == [1] and ran == [1, 1, 1]
+    for y, fin in ((y1, fin1), (y2, fin2), (y3, fin3)):
+        assert y.dtype == case["x"].dtype and torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+def test_planned_forward_leaves_other_calls_to_the_launchers(monkeypatch):
+    """No plan runs where the launchers would convert an input, where the configuration is the fused path, under
+    the profiler or a profiling override, or for a non-contiguous input; the launchers' results are the same."""
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    case = make_case(nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, seqlen=100, dtype=torch.bfloat16,
+                     D="h", device="cpu", seed=3)
+    with emulated_kernels():
+        assert launch.planned_forward(*_forward_args(case)) is not None
+        # C in another dtype than x: the launchers would promote; a plan without `out` is kept for the signature
+        mixed = {**case, "C": case["C"].float()}
+        assert launch.planned_forward(*_forward_args(mixed)) is None
+        assert any(fp.out is None for fp in launch._FORWARD_PLANS.values())
+        # x transposed in memory: not contiguous
+        xt = case["x"].transpose(1, 2).contiguous().transpose(1, 2)
+        assert launch.planned_forward(*_forward_args({**case, "x": xt})) is None
+        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 512)
+        assert launch.planned_forward(*_forward_args(case)) is None
+        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", None)
+        with torch.autograd.profiler.profile():
+            assert launch.planned_forward(*_forward_args(case)) is None
+        # the fused scan as the configuration (a knob of the signature: a new plan, without `out`)
+        monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", True)
+        assert launch.planned_forward(*_forward_args(case)) is None
+
+
+def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
+    """On a tuned call a plan follows chunk_scan's entry in the tuning cache: none while a search may still run,
+    the stored configuration once there is one, a new plan when the entry changes, and the launchers when the
+    entry is the fused path. With tuning off and no entry, the plan is made on the default and dropped when
+    tuning is turned on."""
+    from m2ops.kernels import autotune
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("M2OPS_TUNING_CACHE", str(path))
+    monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
+    monkeypatch.setattr(launch, "_tuned", lambda x: True)
+    monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
+    autotune.forget()
+    case = make_case(nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, seqlen=200, dtype=torch.bfloat16,
+                     initial_states=True, device="cpu", seed=9)
+    a = _forward_args(case)
+    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(case["x"], 64, case["B"], None, None, None))
+
+    def store(config):
+        path.write_text(json.dumps({key: {"config": config}}))
+        autotune.forget()
+
+    def plan_config():
+        (fp,) = launch._FORWARD_PLANS.values()
+        return fp.config if fp.out is not None else None
+
+    try:
+        with emulated_kernels():
+            assert launch.planned_forward(*a) is None and not launch._FORWARD_PLANS  # a search may run
+            store({"path": "split", "state_block": 512})
+            y, fin = launch.planned_forward(*a)
+            assert plan_config() == {"path": "split", "state_block": 512}
+            store({"path": "split", "state_block": 1024})
+            y2, fin2 = launch.planned_forward(*a)
+            assert plan_config() == {"path": "split", "state_block": 1024}
+            assert torch.equal(y, y2) and torch.equal(fin, fin2)  # the block only splits the same work
+            store({"path": "fused", "ppsm": 4})
+            assert launch.planned_forward(*a) is None and plan_config() is None
+            path.unlink()
+            autotune.forget()
+            monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
+            assert launch.planned_forward(*a) is not None
+            (fp,) = launch._FORWARD_PLANS.values()
+            assert fp.from_default
+            monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
+            assert launch.planned_forward(*a) is None and not launch._FORWARD_PLANS
+    finally:
+        autotune.forget()

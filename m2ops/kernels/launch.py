@@ -499,6 +499,7 @@ def clear_plans() -> None:
     """Forget every kept plan (after changing what _sm_count returns, as the CPU emulator does)."""
     for kept in _PLANS:
         kept.cache_clear()
+    _FORWARD_PLANS.clear()
 
 
 # ---- the three ops ----
@@ -516,13 +517,18 @@ def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: flo
     if dt.dtype not in _KERNEL_DTYPES or not supported_chunk_size(chunk_size):
         return ref.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
     b, T, h = dt.shape
-    shape = cumsum_shape(b, T, h, chunk_size)
-    dt_out = torch.empty(shape, dtype=torch.float32, device=dt.device)
-    dA_cumsum = torch.empty(shape, dtype=torch.float32, device=dt.device)
     A32 = _as(A, torch.float32)
     bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
-    _cumsum_plan(b, T, h, chunk_size, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max),
-                 dt.device).launch((_dense(dt), A32, bias, dt_out, dA_cumsum))
+    step = _cumsum_plan(b, T, h, chunk_size, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max),
+                        dt.device)
+    return _run_cumsum(step, cumsum_shape(b, T, h, chunk_size), _dense(dt), A32, bias)
+
+
+def _run_cumsum(step: Step, shape: tuple, dt, A32, bias):
+    """chunk_cumsum's outputs allocated and its kernel launched, on arguments already in the kernel's form."""
+    dt_out = torch.empty(shape, dtype=torch.float32, device=dt.device)
+    dA_cumsum = torch.empty(shape, dtype=torch.float32, device=dt.device)
+    step.launch((dt, A32, bias, dt_out, dA_cumsum))
     return dt_out, dA_cumsum
 
 
@@ -589,19 +595,11 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     plan = _state_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None,
                        initial_states is not None, state_block, separate, entering_dtype if separate else None,
                        dev)
-    states = torch.empty(plan.states_shape, dtype=plan.local_dtype, device=dev)
-    final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
-    plan.chunk_state.launch((xk, Bk, dtk, csk, seq, states))
-
-    nchunks, pn = plan.states_shape[1], p * n
-    init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
-            else _dummy(x, torch.float32, 3))
-    entering = torch.empty(states.shape, dtype=entering_dtype, device=dev) if separate else None
-    plan.state_passing.launch((states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
-                               entering.view(b, nchunks, h, pn) if separate else _dummy(x, torch.float32, 4)))
-    if separate:
-        states = entering  # (no cu_seqlens: varlen_states, which reads float32 states, does not run)
+    init = _as(initial_states, torch.float32) if initial_states is not None else None
+    states, final_states = _run_states(plan, entering_dtype if separate else None, xk, Bk, dtk, csk, seq, init)
+    # (with separate entering states, states is them; then there are no cu_seqlens, and varlen_states, which reads
+    # float32 states, does not run)
 
     if cu_seqlens is None and not varlen_out:
         return states, final_states, None
@@ -614,6 +612,22 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
                 (xk, Bk, dtk, csk, states, _as(cu_seqlens, torch.int32), varlen,
                  h // g, n_ntiles, kv["L"], kv["BL"], kv["TP"], kv["TN"]))
     return states, final_states, varlen
+
+
+def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init):
+    """fwd_pass_state's buffers allocated and its two kernels launched, on arguments already in the kernels' form
+    (init: float32 initial states or None). Returns the states entering every chunk (in their own entering_dtype
+    array when plan.separate, else in place of the local states) and the final states."""
+    b, nchunks, h, p, n = plan.states_shape
+    pn, dev = p * n, xk.device
+    states = torch.empty(plan.states_shape, dtype=plan.local_dtype, device=dev)
+    final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
+    plan.chunk_state.launch((xk, Bk, dtk, csk, seq, states))
+    init = init.reshape(b, h, pn) if init is not None else _dummy(xk, torch.float32, 3)
+    entering = torch.empty(states.shape, dtype=entering_dtype, device=dev) if plan.separate else None
+    plan.state_passing.launch((states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
+                               entering.view(b, nchunks, h, pn) if plan.separate else _dummy(xk, torch.float32, 4)))
+    return (entering if plan.separate else states), final_states
 
 
 class _OutPlan(NamedTuple):
@@ -663,12 +677,19 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     plan = _out_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None, states.dtype, has_d,
                      z is not None, dev)
-    cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
-    plan.chunk_cb.launch((Ck, Bk, cb))
-    y = torch.empty(x.shape, dtype=mma_dtype, device=dev)
-    plan.compute_out.launch((xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, cb,
-                             states if plan.states_bf16 else _as(states, torch.float32), Dk, zk, seq, y))
+    y = _run_out(plan, xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32), Ck, Bk,
+                 states if plan.states_bf16 else _as(states, torch.float32), Dk, zk, seq)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq):
+    """compute_out's buffers allocated and its two kernels launched, on arguments already in the kernels' form.
+    y comes out in xk's dtype."""
+    cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=xk.device)
+    plan.chunk_cb.launch((Ck, Bk, cb))
+    y = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
+    plan.compute_out.launch((xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
+    return y
 
 
 def _pow2_bucket(v: int) -> int:
@@ -869,6 +890,118 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
              *consts))
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return (y, final_states, None) if keep_states else (y, final_states)
+
+
+# ---- a whole eager forward, planned once per signature ----
+# The public function's eager path (m2ops/ops/eager.py) calls chunk_cumsum and then chunk_scan, and each
+# launcher re-derives on every call what the inputs' sizes, dtypes and options decide: the dtypes to convert to,
+# the tuned configuration, the plans. A ForwardPlan keeps all of it for one signature, so that a repeated call
+# only allocates its buffers and launches its five kernels, through the same _run_* functions as the launchers.
+
+class ForwardPlan(NamedTuple):
+    tune_key: object      # chunk_scan's tuning-cache key (None for an untuned call: CPU tensors)
+    config: dict          # chunk_scan's configuration when the plan was made
+    from_default: bool    # config was the default because the cache had no entry (tuning off)
+    cumsum: Step
+    cumsum_shape: tuple
+    states: object        # _StatePlan
+    entering_dtype: object  # the separate entering states' dtype, or None
+    out: object           # _OutPlan (None: no plan for this signature, take the launchers)
+    has_d: int
+
+
+def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
+    """The ForwardPlan of a forward without seq_idx on these inputs (validated, contiguous), or None for now: a
+    profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
+    A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
+    after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path or
+    sub-chunks as the configuration."""
+    if (CONSTANT_OVERRIDE or HINT_OVERRIDE or STATE_BLOCK_OVERRIDE is not None
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    L, dev = chunk_size, x.device
+    none = ForwardPlan(None, {}, False, None, (), None, None, None, 0)
+    if (not supported_chunk_size(L) or x.dtype not in _KERNEL_DTYPES or dt.dtype not in _KERNEL_DTYPES
+            or B.dtype != x.dtype or C.dtype != x.dtype or (z is not None and z.dtype != x.dtype)
+            or any(t is not None and t.dtype != torch.float32 for t in (A, D, dt_bias, initial_states))):
+        return none
+    default, _ = _kept_scan_configs(b, T, h, p, n, L, dev)
+    tune_key, config, from_default = None, default, False
+    if _tuned(x):
+        tune_key = autotune.full_key("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, None), dev.index or 0)
+        found = autotune.lookup(tune_key)
+        if found is None and autotune.enabled():
+            return None  # the launchers' path may search now
+        config, from_default = (default, True) if found is None else (found, False)
+    if config["path"] != "split" or config.get("chunk", L) != L:
+        return none._replace(tune_key=tune_key, config=config, from_default=from_default)
+    dname = _dtype_name(x.dtype)
+    entering = torch.bfloat16 if STATES_IN_BF16 and x.dtype == torch.bfloat16 else None
+    states = _state_plan(b, T, h, p, g, n, L, dname, False, initial_states is not None, config.get("state_block"),
+                         entering is not None, entering, dev)
+    _, has_d = _d_arg(D, x)
+    out = _out_plan(b, T, h, p, g, n, L, dname, False, entering if entering is not None else states.local_dtype,
+                    has_d, z is not None, dev)
+    if (entering is not None) != out.states_bf16:
+        return none  # compute_out would convert the states first
+    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
+    return ForwardPlan(tune_key, config, from_default, cumsum, cumsum_shape(b, T, h, L), states, entering, out,
+                       has_d)
+
+
+def forward_plan_current(fp: ForwardPlan) -> bool:
+    """Whether chunk_scan would still choose fp's configuration: the tuning cache's entry for its key is the one
+    the plan was made with, or, for a plan made on the default, there is still none and tuning is still off."""
+    if fp.tune_key is None:
+        return True
+    found = autotune.lookup(fp.tune_key)
+    if found is None:
+        return fp.from_default and not autotune.enabled()
+    return found == fp.config
+
+
+_FORWARD_PLANS: dict = {}
+
+
+def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
+    """y and the final states of a forward without seq_idx, through this signature's ForwardPlan; None where the
+    call must take the launchers: no plan; the profiler on (the launchers then run inside record_functions named
+    after their ops); a profiling override set (the launchers honour it); an input not contiguous. Inputs as the
+    public function passes them, validated."""
+    if (torch.autograd._profiler_enabled() or CONSTANT_OVERRIDE or HINT_OVERRIDE
+            or STATE_BLOCK_OVERRIDE is not None):
+        return None
+    if not all(t is None or t.is_contiguous() for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
+        return None
+    sig = (x.shape, B.shape, x.device, x.dtype, dt.dtype, A.dtype, B.dtype, C.dtype,
+           None if D is None else (D.shape, D.dtype), None if z is None else z.dtype,
+           None if dt_bias is None else dt_bias.dtype, None if initial_states is None else initial_states.dtype,
+           chunk_size, bool(dt_softplus), dt_min, dt_max, _knobs())
+    fp = _FORWARD_PLANS.get(sig)
+    if fp is None or not forward_plan_current(fp):
+        fp = forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max)
+        if fp is None:
+            _FORWARD_PLANS.pop(sig, None)
+            return None
+        if len(_FORWARD_PLANS) >= 1024:
+            _FORWARD_PLANS.clear()
+        _FORWARD_PLANS[sig] = fp
+    if fp.out is None:
+        return None
+    return run_forward(fp, x, dt, A, B, C, D, z, dt_bias, initial_states)
+
+
+def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
+    """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
+    same launches, buffers and bits as the launchers give."""
+    dt_out, dA_cumsum = _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A)
+    seq = _dummy(x, torch.int32, 2)
+    states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states)
+    Dk = _dummy(x, torch.float32, 2) if fp.has_d == 0 else (D[:, None] if fp.has_d == 1 else D)
+    y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, Dk, z if z is not None else x, seq)
+    return y, final_states
 
 
 # ---- decode ----

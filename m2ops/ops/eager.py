@@ -9,6 +9,11 @@ and the backward's composition (chunk_scan.backward_with) are the ops' own, so r
 for one difference (KEEP_STATES below): where the forward wrote bfloat16 entering states, the backward reuses
 them instead of recomputing them in float32, which moves the gradients of dt, A and dt_bias by their rounding.
 
+Without gradients the call goes further: launch.planned_forward keeps, per signature (sizes, dtypes, options,
+device, the launch module's switches), everything chunk_cumsum and chunk_scan decide from their inputs, and a
+repeated call only allocates and launches the same five kernels (same bits; the tuning cache's entry is checked
+every call, so a new or changed entry takes effect as it does for the launchers).
+
 The ops stay what everything else sees: torch.compile (it traces the ops), dispatch and function modes,
 functorch transforms, tensor subclasses, and devices where the kernels do not run (the ops' reference
 fallback). Under the profiler each launcher runs inside a record_function of its op's name (m2ops::chunk_scan,
@@ -45,6 +50,17 @@ def context_allows(tensors) -> bool:
             or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
     return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+_LAUNCH = []
+
+
+def _launch_module():
+    """m2ops.kernels.launch, imported on first use (this module loads where cuTile is absent too)."""
+    if not _LAUNCH:
+        from ..kernels import launch
+        _LAUNCH.append(launch)
+    return _LAUNCH[0]
 
 
 def _launcher(name: str):
@@ -97,7 +113,13 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, dt, A, B, C, D, z, dt_bias, initial_states))):
         # Nothing to differentiate: the launchers without the autograd Function (its context and saved tensors
-        # cost the host about 10 us a call; inference and benchmarks take this path).
+        # cost the host about 10 us a call; inference and benchmarks take this path), and where this signature
+        # has a launch.ForwardPlan, not even the launchers' own checks and decisions.
+        if seq_idx is None:
+            out = _launch_module().planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+                                                   dt_softplus, dt_min, dt_max)
+            if out is not None:
+                return out
         dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, bool(dt_softplus), dt_min, dt_max)
         return _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
     return _ScanCombined.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size,
