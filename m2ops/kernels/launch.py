@@ -479,13 +479,19 @@ def _knobs() -> tuple:
             SEGMENT_PROGRAMS_PER_SM)
 
 
+def _profiling_override() -> bool:
+    """Whether a profiling override of constants, hints or the state_passing block is set: the launchers then
+    work everything out on each call and keep nothing."""
+    return bool(CONSTANT_OVERRIDE or HINT_OVERRIDE) or STATE_BLOCK_OVERRIDE is not None
+
+
 def _planned(build):
     """build (a function of hashable arguments) with its results kept per arguments and _knobs()."""
     kept = functools.lru_cache(maxsize=1024)(lambda knobs, args: build(*args))
 
     @functools.wraps(build)
     def plan(*args):
-        if CONSTANT_OVERRIDE or HINT_OVERRIDE or STATE_BLOCK_OVERRIDE is not None:
+        if _profiling_override():
             return build(*args)
         return kept(_knobs(), args)
     _PLANS.append(kept)
@@ -824,16 +830,21 @@ def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
     return dt, cs
 
 
+def _scan_entering_dtype(mma_dtype):
+    """The dtype chunk_scan's two-op path has state_passing write the entering states in for compute_out:
+    bfloat16 where STATES_IN_BF16 applies (bfloat16 activations), else None (float32, in place)."""
+    return torch.bfloat16 if STATES_IN_BF16 and mma_dtype == torch.bfloat16 else None
+
+
 def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
                      keep_states=False):
     L0 = dt_out.shape[-1]
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
     if config["path"] == "split":
-        bf16 = STATES_IN_BF16 and _common_dtype(x, B, C, z) == torch.bfloat16
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
-                                                 entering_dtype=torch.bfloat16 if bf16 else None,
+                                                 entering_dtype=_scan_entering_dtype(_common_dtype(x, B, C, z)),
                                                  varlen_out=False)
         y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
         if keep_states:
@@ -907,7 +918,6 @@ class ForwardPlan(NamedTuple):
     states: object        # _StatePlan
     entering_dtype: object  # the separate entering states' dtype, or None
     out: object           # _OutPlan (None: no plan for this signature, take the launchers)
-    has_d: int
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
@@ -916,13 +926,12 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
     after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path or
     sub-chunks as the configuration."""
-    if (CONSTANT_OVERRIDE or HINT_OVERRIDE or STATE_BLOCK_OVERRIDE is not None
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     L, dev = chunk_size, x.device
-    none = ForwardPlan(None, {}, False, None, (), None, None, None, 0)
+    none = ForwardPlan(None, {}, False, None, (), None, None, None)
     if (not supported_chunk_size(L) or x.dtype not in _KERNEL_DTYPES or dt.dtype not in _KERNEL_DTYPES
             or B.dtype != x.dtype or C.dtype != x.dtype or (z is not None and z.dtype != x.dtype)
             or any(t is not None and t.dtype != torch.float32 for t in (A, D, dt_bias, initial_states))):
@@ -938,7 +947,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if config["path"] != "split" or config.get("chunk", L) != L:
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
-    entering = torch.bfloat16 if STATES_IN_BF16 and x.dtype == torch.bfloat16 else None
+    entering = _scan_entering_dtype(x.dtype)
     states = _state_plan(b, T, h, p, g, n, L, dname, False, initial_states is not None, config.get("state_block"),
                          entering is not None, entering, dev)
     _, has_d = _d_arg(D, x)
@@ -947,8 +956,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
     cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
-    return ForwardPlan(tune_key, config, from_default, cumsum, cumsum_shape(b, T, h, L), states, entering, out,
-                       has_d)
+    return ForwardPlan(tune_key, config, from_default, cumsum, cumsum_shape(b, T, h, L), states, entering, out)
 
 
 def forward_plan_current(fp: ForwardPlan) -> bool:
@@ -970,8 +978,7 @@ def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, d
     call must take the launchers: no plan; the profiler on (the launchers then run inside record_functions named
     after their ops); a profiling override set (the launchers honour it); an input not contiguous. Inputs as the
     public function passes them, validated."""
-    if (torch.autograd._profiler_enabled() or CONSTANT_OVERRIDE or HINT_OVERRIDE
-            or STATE_BLOCK_OVERRIDE is not None):
+    if torch.autograd._profiler_enabled() or _profiling_override():
         return None
     if not all(t is None or t.is_contiguous() for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
         return None
@@ -999,8 +1006,7 @@ def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     dt_out, dA_cumsum = _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A)
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states)
-    Dk = _dummy(x, torch.float32, 2) if fp.has_d == 0 else (D[:, None] if fp.has_d == 1 else D)
-    y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, Dk, z if z is not None else x, seq)
+    y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq)
     return y, final_states
 
 

@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_kernels import _kernel_times  # noqa: E402
 from gpu_cases import public_call, scan_case  # noqa: E402
+from launch_cost import host_us  # noqa: E402
 
 from m2ops.bench.peers import _graphed  # noqa: E402
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
@@ -38,21 +38,6 @@ from m2ops.bench.timing import median_ms  # noqa: E402
 from m2ops.kernels import launch  # noqa: E402
 
 _ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
-
-
-def host_us(fn, n=50):
-    """Wall time per call of fn over n calls issued while the GPU sleeps (median of 5 rounds)."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(5):
-        torch.cuda._sleep(int(2e9 * (n * 500e-6 + 0.002)))
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(out)[2]
 
 
 def _alloc_counts():
@@ -68,7 +53,7 @@ def measure(case, block):
     eager = median_ms(call, device="cuda")
     after = _alloc_counts()
     row = dict(block=block, eager_ms=eager, graph_ms=median_ms(_graphed(call), device="cuda"),
-               host_us=host_us(call), alloc={k: after[k] - before[k] for k in _ALLOC_STATS},
+               host_us=host_us(call, 50, per_call_s=500e-6), alloc={k: after[k] - before[k] for k in _ALLOC_STATS},
                kernels=_kernel_times(call))
     launch.STATE_BLOCK_OVERRIDE = None
     return row

@@ -33,13 +33,14 @@ from m2ops.meta.validate import check_inputs  # noqa: E402
 from m2ops.ops import eager  # noqa: E402
 
 
-def host_us(fn, n):
-    """Wall time per call of fn over n calls issued while the GPU sleeps (median of 5 rounds)."""
+def host_us(fn, n, per_call_s=200e-6):
+    """Wall time per call of fn over n calls issued while the GPU sleeps (median of 5 rounds); the sleep lasts
+    per_call_s per call plus 2 ms, which must exceed the host's time."""
     fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(5):
-        torch.cuda._sleep(int(2e9 * (n * 200e-6 + 0.002)))
+        torch.cuda._sleep(int(2e9 * (n * per_call_s + 0.002)))
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
