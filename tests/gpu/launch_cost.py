@@ -110,6 +110,13 @@ def main():
             launch._launch = real
             torch.cuda.synchronize()
             print(f"{spec}: public forward {host_us(fwd, args.n // 10):8.1f} us host per call")
+            # The same call through the launchers (v22's plan refused), alternating with the planned one.
+            planned = launch.planned_forward
+            for _ in range(2):
+                launch.planned_forward = lambda *a, **k: None
+                print(f"{spec}: public forward, launchers {host_us(fwd, args.n // 10):8.1f} us host per call")
+                launch.planned_forward = planned
+                print(f"{spec}: public forward, planned {host_us(fwd, args.n // 10):8.1f} us host per call")
         grads = {k: (v.detach().clone().requires_grad_() if k in ("x", "B", "C") else v) for k, v in case.items()}
         fwd_grad = (lambda: public_call(grads, return_final_states=True))
         print(f"{spec}: public forward, x/B/C requiring grad {host_us(fwd_grad, args.n // 10):8.1f} us host per call")
