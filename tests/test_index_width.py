@@ -72,6 +72,32 @@ def test_launch_takes_the_twin_only_when_enabled_and_fitting(monkeypatch, enable
     assert launched[0] is (index_width.narrow_twin(k) if enabled else k)
 
 
+def test_a_slot_keeps_the_first_choice(monkeypatch):
+    """launch._launch with a slot (a ForwardPlan's launches, launch._Resolved): the kernel for_args chose on the
+    first launch is launched from then on, without looking at the arrays again."""
+    launched, looked = [], []
+
+    class Stub:
+        @staticmethod
+        def launch(stream, grid, kernel, args, programmatic_dependent_launch):
+            launched.append(kernel)
+
+    real = index_width.for_args
+    monkeypatch.setattr(launch, "ct", Stub)
+    monkeypatch.setattr(launch, "_stream_handle", lambda: 1)
+    monkeypatch.setattr(index_width, "for_args", lambda k, a: looked.append(1) or real(k, a))
+    monkeypatch.setattr(index_width, "NARROW_INDEX", True)
+    k = launch.chunk_cumsum_kernel
+    go = launch._Resolved()
+    step = launch.Step((1, 1, 1), k, False, (3,))
+    for _ in range(3):
+        go(step, (_meta(8, 8),))
+    assert looked == [1] and launched == [index_width.narrow_twin(k)] * 3
+    other = launch.Step((1, 1, 1), k, False, (4,))  # a step of its own: its own choice
+    go(other, (_meta(2 ** 16, 2 ** 16),))
+    assert looked == [1, 1] and launched[-1] is k
+
+
 def test_dense_copies_only_expanded_views():
     """launch._dense: contiguous and strided tensors pass through untouched (the kernels read strides); a view
     with stride 0 over a dimension longer than one is made contiguous (distinct indices must address

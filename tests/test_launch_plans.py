@@ -97,3 +97,40 @@ def test_tuning_file_is_reread_only_when_it_changes(tmp_path, monkeypatch):
     assert autotune.lookup("k") == {"a": 1}
     assert len(loads) == 2
     autotune.forget()
+
+
+def test_scratch_layout_lays_buffers_apart_and_aligned():
+    """A ForwardPlan's five scratch buffers come from one allocation (launch._scratch_layout, _scratch_views): each
+    view has its dtype and shape, starts on a multiple of 512 bytes, and no two overlap."""
+    specs = ((torch.float32, (1, 80, 3, 256)), (torch.float32, (1, 80, 3, 256)), (torch.bfloat16, (1, 3, 80, 7, 9)),
+             None, (torch.bfloat16, (1, 3, 1, 4, 4, 64, 64)))
+    layout, total = launch._scratch_layout(specs)
+    views = launch._scratch_views(layout, total, torch.device("cpu"))
+    assert views[3] is None and layout[3] is None
+    spans = []
+    for spec, v in zip(specs, views):
+        if spec is None:
+            continue
+        assert v.dtype == spec[0] and tuple(v.shape) == spec[1] and v.is_contiguous()
+        start = v.data_ptr() - views[0].data_ptr()
+        assert start % 512 == 0
+        spans.append((start, start + v.nbytes))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= total
+    assert views[2].untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()  # one allocation
+
+
+def test_planned_forward_allocates_three_times(recorded, monkeypatch):
+    """A planned forward allocates its scratch once, then y and the final states: three torch.empty calls, where
+    the launchers make seven (each costs the H200's host 5-9 us)."""
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    x, B, _, _ = _inputs(T=200, N=32, h=4, p=16, g=1)
+    a = (x, torch.rand(1, 200, 4), -torch.rand(4), B, torch.randn_like(B), 64, torch.rand(4), None, torch.rand(4),
+         torch.randn(1, 4, 16, 32), True, 0.0, float("inf"))
+    assert launch.planned_forward(*a) is not None  # the plan is made on the first call
+    made = []
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kw: made.append(1) or real(*args, **kw))
+    launch.planned_forward(*a)
+    assert len(made) == 3 and [c[0] for c in recorded[-5:]] == [
+        "chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel", "compute_out_kernel"]

@@ -443,11 +443,18 @@ def _pdl(kernel) -> bool:
     return _PDL_DEVICE[index]
 
 
-def _launch(grid, kernel, args, pdl=None, arrays=None):
+def _launch(grid, kernel, args, pdl=None, arrays=None, slot=None):
     """kernel (as the launcher names it; its 32-bit twin is taken where the arrays fit) on the current stream.
-    A Step passes its PDL flag and the array arguments, which saves working them out again."""
-    ct.launch(_stream_handle(), grid, index_width.for_args(kernel, args if arrays is None else arrays), args,
-              programmatic_dependent_launch=_pdl(kernel) if pdl is None else pdl)
+    A Step passes its PDL flag and the array arguments, which saves working them out again. slot (a list; a
+    ForwardPlan's launches) keeps the kernel chosen on the first launch through it, taken from then on without
+    looking at the arrays again."""
+    if slot:
+        kernel = slot[0]
+    else:
+        kernel = index_width.for_args(kernel, args if arrays is None else arrays)
+        if slot is not None:
+            slot.append(kernel)
+    ct.launch(_stream_handle(), grid, kernel, args, programmatic_dependent_launch=_pdl(kernel) if pdl is None else pdl)
 
 
 # ---- launch plans ----
@@ -530,11 +537,14 @@ def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: flo
     return _run_cumsum(step, cumsum_shape(b, T, h, chunk_size), _dense(dt), A32, bias)
 
 
-def _run_cumsum(step: Step, shape: tuple, dt, A32, bias):
-    """chunk_cumsum's outputs allocated and its kernel launched, on arguments already in the kernel's form."""
-    dt_out = torch.empty(shape, dtype=torch.float32, device=dt.device)
-    dA_cumsum = torch.empty(shape, dtype=torch.float32, device=dt.device)
-    step.launch((dt, A32, bias, dt_out, dA_cumsum))
+def _run_cumsum(step: Step, shape: tuple, dt, A32, bias, scratch=None, go=Step.launch):
+    """chunk_cumsum's outputs allocated (or scratch's pair of float32 buffers of shape taken) and its kernel
+    launched by go, on arguments already in the kernel's form."""
+    if scratch is None:
+        scratch = (torch.empty(shape, dtype=torch.float32, device=dt.device),
+                   torch.empty(shape, dtype=torch.float32, device=dt.device))
+    dt_out, dA_cumsum = scratch
+    go(step, (dt, A32, bias, dt_out, dA_cumsum))
     return dt_out, dA_cumsum
 
 
@@ -620,19 +630,22 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     return states, final_states, varlen
 
 
-def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init):
-    """fwd_pass_state's buffers allocated and its two kernels launched, on arguments already in the kernels' form
-    (init: float32 initial states or None). Returns the states entering every chunk (in their own entering_dtype
-    array when plan.separate, else in place of the local states) and the final states."""
+def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, scratch=None, go=Step.launch):
+    """fwd_pass_state's buffers allocated and its two kernels launched by go, on arguments already in the kernels'
+    form (init: float32 initial states or None). scratch: the (local, entering) state buffers, given (entering
+    None unless plan.separate). Returns the states entering every chunk (in their own entering_dtype array when
+    plan.separate, else in place of the local states) and the final states."""
     b, nchunks, h, p, n = plan.states_shape
     pn, dev = p * n, xk.device
-    states = torch.empty(plan.states_shape, dtype=plan.local_dtype, device=dev)
+    if scratch is None:
+        scratch = (torch.empty(plan.states_shape, dtype=plan.local_dtype, device=dev),
+                   torch.empty(plan.states_shape, dtype=entering_dtype, device=dev) if plan.separate else None)
+    states, entering = scratch
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
-    plan.chunk_state.launch((xk, Bk, dtk, csk, seq, states))
+    go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states))
     init = init.reshape(b, h, pn) if init is not None else _dummy(xk, torch.float32, 3)
-    entering = torch.empty(states.shape, dtype=entering_dtype, device=dev) if plan.separate else None
-    plan.state_passing.launch((states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
-                               entering.view(b, nchunks, h, pn) if plan.separate else _dummy(xk, torch.float32, 4)))
+    go(plan.state_passing, (states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
+                            entering.view(b, nchunks, h, pn) if plan.separate else _dummy(xk, torch.float32, 4)))
     return (entering if plan.separate else states), final_states
 
 
@@ -688,13 +701,14 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq):
-    """compute_out's buffers allocated and its two kernels launched, on arguments already in the kernels' form.
-    y comes out in xk's dtype."""
-    cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=xk.device)
-    plan.chunk_cb.launch((Ck, Bk, cb))
+def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq, cb=None, go=Step.launch):
+    """compute_out's buffers allocated (C . B^T's unless given as cb) and its two kernels launched by go, on
+    arguments already in the kernels' form. y comes out in xk's dtype."""
+    if cb is None:
+        cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=xk.device)
+    go(plan.chunk_cb, (Ck, Bk, cb))
     y = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
-    plan.compute_out.launch((xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
+    go(plan.compute_out, (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
     return y
 
 
@@ -908,6 +922,65 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
 # launcher re-derives on every call what the inputs' sizes, dtypes and options decide: the dtypes to convert to,
 # the tuned configuration, the plans. A ForwardPlan keeps all of it for one signature, so that a repeated call
 # only allocates its buffers and launches its five kernels, through the same _run_* functions as the launchers.
+# Two more host costs go (v23): the five scratch buffers come from one allocation (torch.empty cost the H200's
+# host 5-9 us each), and each launch takes the kernel (64- or 32-bit-indexed) its first call resolved, since
+# the plan's arrays have the same sizes and layouts on every call.
+
+_SCRATCH_ALIGN = 512  # bytes: the caching allocator's own alignment, so each view starts as a fresh tensor would
+
+
+class _Resolved:
+    """go() for one ForwardPlan's launches: each step as the kernel index_width.for_args chose on the step's first
+    launch (the plan's signature fixes every array's size and layout, so the choice cannot change), launched
+    without the per-call check of its arrays."""
+    __slots__ = ("slots",)
+
+    def __init__(self):
+        self.slots = {}
+
+    def __call__(self, step: Step, arrays: tuple):
+        slot = self.slots.get(id(step))  # (the plan holds its steps, so an id stays its step's)
+        if slot is None:
+            slot = self.slots[id(step)] = []
+        _launch(step.grid, step.kernel, arrays + step.tail, step.pdl, arrays, slot)
+
+
+def _scratch_layout(specs) -> tuple:
+    """((dtype, shape, stride, offset in elements) or None for each (dtype, shape) or None of specs, total
+    bytes): contiguous buffers laid end to end in one byte array, each starting at a multiple of
+    _SCRATCH_ALIGN bytes."""
+    out, at = [], 0
+    for spec in specs:
+        if spec is None:
+            out.append(None)
+            continue
+        dtype, shape = spec
+        stride, size = [], 1
+        for extent in reversed(shape):
+            stride.insert(0, size)
+            size *= extent
+        out.append((dtype, tuple(shape), tuple(stride), at // dtype.itemsize))
+        at += cdiv(size * dtype.itemsize, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    return tuple(out), max(at, _SCRATCH_ALIGN)
+
+
+def _scratch_views(layout, total, device) -> tuple:
+    """The buffers of _scratch_layout, as views of one fresh allocation: one dtype view of it per dtype, then an
+    as_strided per buffer (the cheapest views on the host; a slice, a dtype view and a shape view cost about
+    three times as much)."""
+    ws = torch.empty((total,), dtype=torch.uint8, device=device)
+    typed, out = {}, []
+    for v in layout:
+        if v is None:
+            out.append(None)
+            continue
+        dtype, shape, stride, offset = v
+        w = typed.get(dtype)
+        if w is None:
+            w = typed[dtype] = ws.view(dtype)
+        out.append(w.as_strided(shape, stride, offset))
+    return tuple(out)
+
 
 class ForwardPlan(NamedTuple):
     tune_key: object      # chunk_scan's tuning-cache key (None for an untuned call: CPU tensors)
@@ -918,6 +991,9 @@ class ForwardPlan(NamedTuple):
     states: object        # _StatePlan
     entering_dtype: object  # the separate entering states' dtype, or None
     out: object           # _OutPlan (None: no plan for this signature, take the launchers)
+    scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
+    scratch_bytes: int = 0
+    go: object = None     # _Resolved
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
@@ -956,7 +1032,13 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
     cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
-    return ForwardPlan(tune_key, config, from_default, cumsum, cumsum_shape(b, T, h, L), states, entering, out)
+    cs_shape = cumsum_shape(b, T, h, L)
+    layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
+                                      (states.local_dtype, states.states_shape),
+                                      (entering, states.states_shape) if states.separate else None,
+                                      (out.cb_dtype, out.cb_shape)))
+    return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, states, entering, out, layout, nbytes,
+                       _Resolved())
 
 
 def forward_plan_current(fp: ForwardPlan) -> bool:
@@ -1003,10 +1085,14 @@ def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, d
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
     same launches, buffers and bits as the launchers give."""
-    dt_out, dA_cumsum = _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A)
+    dt_out, dA_cumsum, local, entering, cb = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
+    go = fp.go
+    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
     seq = _dummy(x, torch.int32, 2)
-    states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states)
-    y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq)
+    states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
+                                       (local, entering), go)
+    y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,
+                 go)
     return y, final_states
 
 

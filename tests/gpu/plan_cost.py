@@ -1,0 +1,131 @@
+"""The planned eager forward's host time (launch.planned_forward, v22), part by part, on a GPU, as a script:
+
+    python tests/gpu/plan_cost.py [--shapes 1K:64,4K:64] [--chunk 256] [--n 40]
+
+launch_cost.py splits the launchers' path; this script splits the path an eager call without gradients takes
+when its signature has a plan. Each line is the host's time per call of one part, issued while the GPU sleeps
+(launch_cost.host_us), in microseconds: the public call, its argument checks, planned_forward, run_forward and
+its three pieces, the plan's currency check, every torch.empty the pieces make, and every launch both through
+Step.launch and as the bare ct.launch of the resolved kernel. Parts overlap (a piece includes its allocations
+and launches), so the lines are not meant to add up to the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_cases import public_call, scan_case  # noqa: E402
+from launch_cost import host_us  # noqa: E402
+
+import cuda.tile as ct  # noqa: E402
+
+from m2ops.bench.shapes import parse_sizes  # noqa: E402
+from m2ops.kernels import index_width, launch  # noqa: E402
+from m2ops.meta.validate import check_inputs  # noqa: E402
+from m2ops.ops import eager  # noqa: E402
+
+
+def _captured_args(case):
+    """The arguments the public call passes planned_forward."""
+    got = []
+    real = launch.planned_forward
+    launch.planned_forward = lambda *a: (got.append(a), real(*a))[1]
+    try:
+        public_call(case)
+    finally:
+        launch.planned_forward = real
+    if not got:
+        raise SystemExit("the public call did not reach launch.planned_forward")
+    return got[0]
+
+
+def rows(spec, chunk):
+    t_s, n_s = spec.split(":")
+    case = scan_case(parse_sizes(t_s)[0], int(n_s), chunk)
+    args = _captured_args(case)
+    x, dt, A, B, C, L, D, z, dt_bias, init, softplus, dt_min, dt_max = args
+    fp = launch.forward_plan(*args)
+    if fp is None or fp.out is None:
+        raise SystemExit(f"{spec}: no forward plan")
+    bias = dt_bias if dt_bias is not None else A
+    seq = launch._dummy(x, torch.int32, 2)
+    dt_out, cs = launch._run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias)
+    entering, final = launch._run_states(fp.states, fp.entering_dtype, x, B, dt_out, cs, seq, init)
+    Dk = launch._d_arg(D, x)[0]
+    zk = z if z is not None else x
+    st, op = fp.states, fp.out
+    local = torch.empty(st.states_shape, dtype=st.local_dtype, device=x.device)
+    cb = torch.empty(op.cb_shape, dtype=op.cb_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    b, nchunks, h, p, n = st.states_shape
+    init_flat = init.reshape(b, h, p * n) if init is not None else launch._dummy(x, torch.float32, 3)
+    launches = {
+        "chunk_cumsum": (fp.cumsum, (dt, A, bias, dt_out, cs)),
+        "chunk_state": (st.chunk_state, (x, B, dt_out, cs, seq, local)),
+        "state_passing": (st.state_passing, (local.view(b, nchunks, h, p * n), cs, seq, init_flat,
+                                             final.view(b, h, p * n),
+                                             entering.view(b, nchunks, h, p * n) if st.separate
+                                             else launch._dummy(x, torch.float32, 4))),
+        "chunk_cb": (op.chunk_cb, (C, B, cb)),
+        "compute_out": (op.compute_out, (x, dt_out, cs, C, cb, entering, Dk, zk, seq, y)),
+    }
+    parts = {
+        "public call": lambda: public_call(case),
+        "check_inputs": lambda: check_inputs(x, dt, A, B, C, L, D, z, dt_bias, init, None, None, softplus,
+                                             (dt_min, dt_max), True, False),
+        "eager.applies": lambda: eager.applies(x, dt, A, B, C, D, z, dt_bias, init, None),
+        "planned_forward": lambda: launch.planned_forward(*args),
+        "run_forward": lambda: launch.run_forward(fp, x, dt, A, B, C, D, z, dt_bias, init),
+        "  _run_cumsum": lambda: launch._run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias),
+        "  _run_states": lambda: launch._run_states(st, fp.entering_dtype, x, B, dt_out, cs, seq, init),
+        "  _run_out": lambda: launch._run_out(op, x, dt_out, cs, C, B, entering, Dk, zk, seq),
+        "  _d_arg": lambda: launch._d_arg(D, x),
+        "  _dummy": lambda: launch._dummy(x, torch.int32, 2),
+        "forward_plan_current": lambda: launch.forward_plan_current(fp),
+        "_knobs": launch._knobs,
+        "_profiling_override": launch._profiling_override,
+        "torch.autograd._profiler_enabled": torch.autograd._profiler_enabled,
+        "empty cumsum f32": lambda: torch.empty(fp.cumsum_shape, dtype=torch.float32, device=x.device),
+        "empty local states": lambda: torch.empty(st.states_shape, dtype=st.local_dtype, device=x.device),
+        "empty final states": lambda: torch.empty(final.shape, dtype=torch.float32, device=x.device),
+        "empty cb": lambda: torch.empty(op.cb_shape, dtype=op.cb_dtype, device=x.device),
+        "empty y": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "empty uint8 workspace (all 5 scratch)": lambda: torch.empty(
+            (2 * dt_out.nbytes + 2 * local.nbytes + cb.nbytes,), dtype=torch.uint8, device=x.device),
+        "uint8 slice .view(dtype).view(shape)": lambda: cb.view(torch.uint8).reshape(-1)[:cb.nbytes]
+        .view(op.cb_dtype).view(op.cb_shape),
+        "as_strided": lambda: y.as_strided(y.shape, y.stride(), 0),
+        "_scratch_views (one allocation, 5 views)": lambda: launch._scratch_views(fp.scratch, fp.scratch_bytes,
+                                                                                 x.device),
+        "_stream_handle": launch._stream_handle,
+    }
+    for name, (step, arrays) in launches.items():
+        kernel = index_width.for_args(step.kernel, arrays)
+        full = arrays + step.tail
+        parts[f"Step.launch {name}"] = lambda step=step, arrays=arrays: step.launch(arrays)
+        parts[f"bare ct.launch {name}"] = lambda step=step, kernel=kernel, full=full: ct.launch(
+            launch._stream_handle(), step.grid, kernel, full, programmatic_dependent_launch=step.pdl)
+        parts[f"for_args {name}"] = lambda step=step, arrays=arrays: index_width.for_args(step.kernel, arrays)
+    return parts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1K:64,4K:64")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--n", type=int, default=40)
+    args = ap.parse_args()
+    torch.cuda.init()
+    with torch.no_grad():
+        for spec in args.shapes.split(","):
+            for name, fn in rows(spec, args.chunk).items():
+                print(f"{spec}: {name:40s} {host_us(fn, args.n, per_call_s=500e-6):8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
