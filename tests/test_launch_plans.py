@@ -94,8 +94,21 @@ def test_tuning_file_is_reread_only_when_it_changes(tmp_path, monkeypatch):
     path.write_text('{"k": {"config": {"a": 1}}}')
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # a later modification time
+    clock = [autotune.time.monotonic()]
+    monkeypatch.setattr(autotune.time, "monotonic", lambda: clock[0])
+    stats = []
+    real_stamp = autotune._stamp
+    monkeypatch.setattr(autotune, "_stamp", lambda p: stats.append(1) or real_stamp(p))
+    # within RECHECK_S of the last look: the file is not even looked at
+    assert autotune.lookup("k") is None and not stats and len(loads) == 1
+    clock[0] += autotune.RECHECK_S
     assert autotune.lookup("k") == {"a": 1}
-    assert len(loads) == 2
+    assert len(loads) == 2 and len(stats) == 1
+    # another path is looked at at once
+    other = tmp_path / "other.json"
+    other.write_text('{"k2": {"config": {"b": 2}}}')
+    monkeypatch.setenv("M2OPS_TUNING_CACHE", str(other))
+    assert autotune.lookup("k2") == {"b": 2}
     autotune.forget()
 
 

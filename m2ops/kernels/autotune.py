@@ -33,11 +33,19 @@ from .. import envvars
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}  # this process's view of the file, plus its own results
 _seen: list = [None]  # (path, modification time) of the file when _memory last read it
+_looked: list = [None, 0.0]  # the path, and time.monotonic(), of the last look at its modification time
+# An absent key looks at the file's modification time at most this often (per path): a forward asks on every
+# call, and the look (os.stat) cost the H200's host about 9 us a call with tuning off (tests/gpu/plan_cost.py).
+RECHECK_S = 0.5
 
 
 def cache_path() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", "m2ops", "tuning.json")
-    return os.environ.get("M2OPS_TUNING_CACHE", default)
+    return os.environ.get("M2OPS_TUNING_CACHE") or _default_path(os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=4)
+def _default_path(home) -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "m2ops", "tuning.json")
 
 
 def enabled() -> bool:
@@ -103,8 +111,7 @@ def _store(key: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
-def _stamp():
-    path = cache_path()
+def _stamp(path):
     try:
         return path, os.stat(path).st_mtime_ns
     except OSError:
@@ -113,14 +120,18 @@ def _stamp():
 
 def lookup(key: str):
     """The stored configuration for a full key, or None. A key this process has not seen rereads the file only
-    when it changed since the last read: a launcher asks on every call, and reading the JSON each time a key
-    is absent (tuning off, or a call inside graph capture) cost tens of microseconds."""
+    when it changed since the last read, and looks whether it changed at most every RECHECK_S seconds: a
+    launcher asks on every call, and reading the JSON each time a key is absent (tuning off, or a call inside
+    graph capture) cost tens of microseconds."""
     with _lock:
         if key not in _memory:
-            stamp = _stamp()
-            if stamp != _seen[0]:
-                _memory.update(_load())
-                _seen[0] = stamp
+            path, now = cache_path(), time.monotonic()
+            if path != _looked[0] or now - _looked[1] >= RECHECK_S:
+                _looked[0], _looked[1] = path, now
+                stamp = _stamp(path)
+                if stamp != _seen[0]:
+                    _memory.update(_load())
+                    _seen[0] = stamp
         entry = _memory.get(key)
     return None if entry is None else entry["config"]
 
@@ -182,3 +193,4 @@ def forget() -> None:
     with _lock:
         _memory.clear()
         _seen[0] = None
+        _looked[0] = None

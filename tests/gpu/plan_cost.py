@@ -114,15 +114,60 @@ def rows(spec, chunk):
     return parts
 
 
+def ladder(spec, chunk):
+    """The public call and the calls it nests, each a step further in (so each difference is what the step
+    skips): checks and dispatch, planned_forward, run_forward, its allocations and five launches, the five bare
+    launches alone."""
+    t_s, n_s = spec.split(":")
+    case = scan_case(parse_sizes(t_s)[0], int(n_s), chunk)
+    args = _captured_args(case)
+    x, dt, A, B, C, L, D, z, dt_bias, init, softplus, dt_min, dt_max = args
+    fp = launch.forward_plan(*args)
+    parts = rows(spec, chunk)
+    launches = [parts[f"bare ct.launch {k}"] for k in ("chunk_cumsum", "chunk_state", "state_passing", "chunk_cb",
+                                                        "compute_out")]
+    final_shape = (x.shape[0], x.shape[2], x.shape[3], B.shape[3])
+
+    def bare_with_buffers():
+        launch._scratch_views(fp.scratch, fp.scratch_bytes, x.device)
+        torch.empty(final_shape, dtype=torch.float32, device=x.device)
+        torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        for f in launches:
+            f()
+
+    return {
+        "public call": parts["public call"],
+        "eager.scan_combined": lambda: eager.scan_combined(x, dt, A, B, C, L, D, z, dt_bias, init, None, softplus,
+                                                           dt_min, dt_max),
+        "planned_forward": parts["planned_forward"],
+        "run_forward": parts["run_forward"],
+        "3 allocations + 5 bare launches": bare_with_buffers,
+        "5 bare launches": lambda: [f() for f in launches],
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1K:64,4K:64")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--ladder", type=int, default=0,
+                    help="rounds of the nested calls only, interleaved round by round (min per call reported): "
+                         "the host's speed drifts between rows measured one after another")
     args = ap.parse_args()
     torch.cuda.init()
     with torch.no_grad():
         for spec in args.shapes.split(","):
+            if args.ladder:
+                fns = ladder(spec, args.chunk)
+                got = {k: [] for k in fns}
+                for _ in range(args.ladder):
+                    for name, fn in fns.items():
+                        got[name].append(host_us(fn, args.n, per_call_s=500e-6))
+                for name, v in got.items():
+                    v.sort()
+                    print(f"{spec}: {name:40s} min {v[0]:7.1f}  median {v[len(v) // 2]:7.1f} us", flush=True)
+                continue
             for name, fn in rows(spec, args.chunk).items():
                 print(f"{spec}: {name:40s} {host_us(fn, args.n, per_call_s=500e-6):8.1f} us", flush=True)
 
