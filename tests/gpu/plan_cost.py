@@ -114,6 +114,15 @@ def rows(spec, chunk):
     return parts
 
 
+def _run_forward_v22(fp, x, dt, A, B, C, D, z, dt_bias, init):
+    """run_forward as v22 had it: each buffer its own torch.empty, each launch checking its arrays' index width."""
+    dt_out, cs = launch._run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A)
+    seq = launch._dummy(x, torch.int32, 2)
+    states, final = launch._run_states(fp.states, fp.entering_dtype, x, B, dt_out, cs, seq, init)
+    return launch._run_out(fp.out, x, dt_out, cs, C, B, states, launch._d_arg(D, x)[0], z if z is not None else x,
+                           seq), final
+
+
 def ladder(spec, chunk):
     """The public call and the calls it nests, each a step further in (so each difference is what the step
     skips): checks and dispatch, planned_forward, run_forward, its allocations and five launches, the five bare
@@ -141,6 +150,7 @@ def ladder(spec, chunk):
                                                            dt_min, dt_max),
         "planned_forward": parts["planned_forward"],
         "run_forward": parts["run_forward"],
+        "run_forward as in v22 (7 allocations)": lambda: _run_forward_v22(fp, x, dt, A, B, C, D, z, dt_bias, init),
         "3 allocations + 5 bare launches": bare_with_buffers,
         "5 bare launches": lambda: [f() for f in launches],
     }
