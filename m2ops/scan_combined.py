@@ -36,6 +36,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         y of x's shape and dtype; then final_states if asked, then varlen_states if asked. States are float32
         (float64 for float64 inputs).
     """
+    key = eager.call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                         dt_limit, return_final_states, return_varlen_states)
+    if key is not None:  # a call like one that passed every check below and ran a kept plan
+        out = eager.remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states)
+        if out is not None:
+            return out if return_final_states else out[0]
     check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
                  dt_limit, return_final_states, return_varlen_states)
     seqlen = x.shape[1]
@@ -46,8 +52,11 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
 
     if not return_varlen_states and eager.applies(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
+        if key is None:  # (no plan kept yet: this may be the first)
+            key = eager.call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                 dt_softplus, dt_limit, return_final_states, return_varlen_states, first=True)
         y, final_states = eager.scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                              dt_softplus, dt_min, dt_max)
+                                              dt_softplus, dt_min, dt_max, key)
         return (y, final_states) if return_final_states else y
 
     dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)

@@ -773,6 +773,76 @@ def test_planned_forward_gives_the_launchers_bits(monkeypatch, opts):
         assert y.dtype == case["x"].dtype and torch.equal(y, y0) and torch.equal(fin, fin0)
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass: the public call leaves it to the ops."""
+
+
+def _call_key_args(case, **changes):
+    """The public call's arguments of a make_case case, in call_key's order, with changes."""
+    kw = dict(x=case["x"], dt=case["dt"], A=case["A"], B=case["B"], C=case["C"], chunk_size=case["chunk_size"],
+              D=case["D"], z=case["z"], dt_bias=case["dt_bias"], initial_states=case["initial_states"], seq_idx=None,
+              cu_seqlens=None, dt_softplus=case["dt_softplus"], dt_limit=tuple(case["dt_limit"]),
+              return_final_states=True, return_varlen_states=False)
+    kw.update(changes)
+    return kw
+
+
+def test_remembered_call_runs_the_kept_plan(monkeypatch):
+    """A plan planned_forward ran for a public call is kept under the call's key (eager.call_key), and
+    eager.remembered_call runs it for the next call with that key: the launchers' bits. It declines (None) where
+    something besides the arguments is not as it was: gradients wanted, the profiler, a function mode, a
+    profiling override, a changed tuning-cache entry. call_key is None for the calls that are never kept and while
+    nothing is kept; it differs where an argument's type, size, dtype or layout differs."""
+    from m2ops.ops import eager
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    launch.clear_plans()
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, seqlen=130, dtype=torch.bfloat16,
+                     D="h", z=True, initial_states=True, device="cpu", seed=11)
+    kw = _call_key_args(case)
+    assert eager.call_key(**kw) is None  # nothing kept yet
+    key = eager.call_key(**kw, first=True)
+    a = _forward_args(case)
+    tensors = (kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["dt_bias"], kw["initial_states"])
+    with emulated_kernels():
+        y0, fin0 = _launchers_forward(case)
+        y1, fin1 = launch.planned_forward(*a, call_key=key)
+        assert launch.CALL_PLANS.get(key) is not None and eager.call_key(**kw) == key
+        y2, fin2 = eager.remembered_call(key, *tensors)
+        assert torch.equal(y1, y0) and torch.equal(fin1, fin0) and torch.equal(y2, y0) and torch.equal(fin2, fin0)
+
+        grads = [t.detach().clone().requires_grad_() if i == 0 else t for i, t in enumerate(tensors)]
+        assert eager.remembered_call(key, *grads) is None
+        with torch.no_grad():
+            assert eager.remembered_call(key, *grads) is not None
+        with torch.autograd.profiler.profile():
+            assert eager.remembered_call(key, *tensors) is None
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+        with Mode():
+            assert eager.remembered_call(key, *tensors) is None
+        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 512)
+        assert eager.remembered_call(key, *tensors) is None
+        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", None)
+        monkeypatch.setattr(launch, "forward_plan_current", lambda fp: False)  # the tuning entry changed
+        assert eager.remembered_call(key, *tensors) is None
+    monkeypatch.undo()
+
+    assert eager.remembered_call(("another",), *tensors) is None
+    for change in (dict(seq_idx=torch.zeros(1, 130, dtype=torch.int32)), dict(cu_seqlens=torch.tensor([0, 130])),
+                   dict(return_varlen_states=True), dict(dt_limit=list(kw["dt_limit"])),
+                   dict(x=kw["x"].as_subclass(_Sub))):
+        assert eager.call_key(**_call_key_args(case, **change), first=True) is None, change
+    x = kw["x"]
+    for change in (dict(x=x.float()), dict(x=x[:, :-1]), dict(x=x.transpose(1, 2).contiguous().transpose(1, 2)),
+                   dict(chunk_size=32), dict(dt_softplus=1), dict(dt_limit=(0, float("inf"))),
+                   dict(return_final_states=False), dict(D=None), dict(A=torch.nn.Parameter(kw["A"]))):
+        other = eager.call_key(**_call_key_args(case, **change), first=True)
+        assert other is not None and other != key, change
+    assert not launch.CALL_PLANS  # the emulator's exit cleared every plan
+
+
 def test_planned_forward_leaves_other_calls_to_the_launchers(monkeypatch):
     """No plan runs where the launchers would convert an input, where the configuration is the fused path, under
     the profiler or a profiling override, or for a non-contiguous input; the launchers' results are the same."""

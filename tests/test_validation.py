@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import numpy as np
@@ -37,6 +38,42 @@ def check_raises(kwargs, exc, names):
     message = str(info.value)
     names = (names,) if isinstance(names, str) else names
     assert first_named_argument(message) in names, message
+    if "seq_idx" not in names and kwargs.get("seq_idx") is not None and kwargs.get("cu_seqlens") is None:
+        check_raises_past_kept_plans(dict(kwargs, seq_idx=None), exc, names)
+
+
+def check_raises_past_kept_plans(kwargs, exc, names):
+    """The same bad call, without seq_idx (the calls whose plans are kept), while launch.CALL_PLANS holds the keys
+    of valid calls that differ from it in one argument: its key (eager.call_key) must match none of them, so it
+    never skips the checks that raise (eager.remembered_call, m2ops/ops/eager.py)."""
+    pytest.importorskip("cuda.tile", reason="the kept plans live in m2ops.kernels.launch")
+    from m2ops.kernels import launch
+    from m2ops.ops import eager
+    kept = {}
+    for flag in (False, True):
+        good = dict(valid(batch=kwargs["x"].shape[0] if isinstance(kwargs.get("x"), torch.Tensor) and
+                          kwargs["x"].dim() == 4 else b, seq_idx=False), return_final_states=flag)
+        call = inspect.signature(mamba_chunk_scan_combined).bind(**good)
+        call.apply_defaults()
+        key = eager.call_key(**call.arguments, first=True)
+        assert key is not None
+        kept[key] = "plan"
+    saved = dict(launch.CALL_PLANS)
+    launch.CALL_PLANS.clear()
+    launch.CALL_PLANS.update(kept)
+    real = eager.remembered_call
+    try:
+        def remembered(key, *args):
+            assert key not in kept, f"a bad call matched a valid call's key: {kwargs}"
+            return real(key, *args)
+        eager.remembered_call = remembered
+        with pytest.raises(exc) as info:
+            mamba_chunk_scan_combined(**kwargs)
+    finally:
+        eager.remembered_call = real
+        launch.CALL_PLANS.clear()
+        launch.CALL_PLANS.update(saved)
+    assert type(info.value) is exc and first_named_argument(str(info.value)) in names, str(info.value)
 
 
 def randn(*shape):

@@ -389,7 +389,7 @@ def _d_arg(D, like):
     if D is None:
         return _dummy(like, torch.float32, 2), 0
     Dk = _as(D, torch.float32)
-    return (Dk[:, None], 1) if Dk.dim() == 1 else (Dk, 2)
+    return (Dk.unsqueeze(1), 1) if Dk.dim() == 1 else (Dk, 2)
 
 
 def _d_per_channel(D, nheads, headdim, like):
@@ -513,6 +513,7 @@ def clear_plans() -> None:
     for kept in _PLANS:
         kept.cache_clear()
     _FORWARD_PLANS.clear()
+    CALL_PLANS.clear()
 
 
 # ---- the three ops ----
@@ -1055,11 +1056,13 @@ def forward_plan_current(fp: ForwardPlan) -> bool:
 _FORWARD_PLANS: dict = {}
 
 
-def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
+def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max,
+                    call_key=None):
     """y and the final states of a forward without seq_idx, through this signature's ForwardPlan; None where the
     call must take the launchers: no plan; the profiler on (the launchers then run inside record_functions named
     after their ops); a profiling override set (the launchers honour it); an input not contiguous. Inputs as the
-    public function passes them, validated."""
+    public function passes them, validated. call_key (the public call's, m2ops/ops/eager.py call_key): the plan
+    is also kept under it in CALL_PLANS, for the next call with that key to go to it directly."""
     if torch.autograd._profiler_enabled() or _profiling_override():
         return None
     if not all(t is None or t.is_contiguous() for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
@@ -1079,7 +1082,17 @@ def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, d
         _FORWARD_PLANS[sig] = fp
     if fp.out is None:
         return None
+    if call_key is not None:
+        if len(CALL_PLANS) >= 1024:
+            CALL_PLANS.clear()
+        CALL_PLANS[call_key] = fp
     return run_forward(fp, x, dt, A, B, C, D, z, dt_bias, initial_states)
+
+
+# The public call's own key (eager.call_key: its arguments' types, sizes, dtypes, devices, layouts and plain
+# values, with _knobs()) -> the ForwardPlan a validated call with that key ran, kept by planned_forward. A
+# repeated call finds its plan here before any check, lookup or dispatch (eager.remembered_call).
+CALL_PLANS: dict = {}
 
 
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):

@@ -108,8 +108,10 @@ class _ScanCombined(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max):
-    """y and the final states, as ops.chunk_cumsum followed by ops.chunk_scan would give them."""
+def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max,
+                  key=None):
+    """y and the final states, as ops.chunk_cumsum followed by ops.chunk_scan would give them. key: the public
+    call's call_key, under which a plan that serves this call is kept (remembered_call)."""
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, dt, A, B, C, D, z, dt_bias, initial_states))):
         # Nothing to differentiate: the launchers without the autograd Function (its context and saved tensors
@@ -117,10 +119,67 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         # has a launch.ForwardPlan, not even the launchers' own checks and decisions.
         if seq_idx is None:
             out = _launch_module().planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                                                   dt_softplus, dt_min, dt_max)
+                                                   dt_softplus, dt_min, dt_max, key)
             if out is not None:
                 return out
         dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, bool(dt_softplus), dt_min, dt_max)
         return _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
     return _ScanCombined.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size,
                                bool(dt_softplus), dt_min, dt_max)
+
+
+# ---- a repeated call without gradients, straight to its plan ----
+# The public call's checks (check_inputs), this module's dispatch (applies, the gradient test) and
+# planned_forward's own signature cost the H200's host about 35 of a planned forward's 117 us at 4K tokens
+# (tests/gpu/plan_cost.py --ladder), against 40 us for the five launches. A call whose key matches one that passed
+# all of them and ran a plan (launch.CALL_PLANS) goes to that plan directly. The key holds everything those steps
+# read from the arguments: each tensor's exact type, size, dtype, device and contiguity, and the plain arguments
+# with their types, so an argument check cannot come out differently; what they read from elsewhere (compile,
+# modes, transforms, the profiler, gradient mode and requires_grad, the launch module's switches and profiling
+# overrides, the tuning cache) is looked at on every call.
+
+def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+             return_final_states, return_varlen_states, first=False):
+    """The public call's key for launch.CALL_PLANS, or None: no plan is kept yet (unless first: the call is about
+    to take the direct path, having passed the checks), or the call is of a kind that is never kept (seq_idx,
+    cu_seqlens, varlen states, dt_limit not a tuple, a tensor of another type than torch.Tensor or
+    nn.Parameter). Never raises, whatever the arguments."""
+    if torch.compiler.is_compiling():  # (first: dynamo then never reads the rest)
+        return None
+    if first:
+        _launch_module()
+    elif not _LAUNCH or not _LAUNCH[0].CALL_PLANS:
+        return None
+    if (seq_idx is not None or cu_seqlens is not None or return_varlen_states is not False
+            or type(dt_limit) is not tuple or len(dt_limit) != 2):
+        return None
+    metas = []
+    for t in (x, dt, A, B, C, D, z, dt_bias, initial_states):
+        if t is None:
+            metas.append(None)
+        elif type(t) in _PLAIN:
+            metas.append((type(t), t.shape, t.dtype, t.device, t.is_contiguous()))
+        else:
+            return None
+    lo, hi = dt_limit
+    return (*metas, type(chunk_size), chunk_size, type(dt_softplus), dt_softplus, type(lo), lo, type(hi), hi,
+            type(return_final_states), return_final_states, _LAUNCH[0]._knobs())
+
+
+def remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states):
+    """(y, final states) from the plan kept under key, or None where the call must take the whole path: no plan
+    under key, or something besides the arguments that the path looks at is not as it was (a compile, mode,
+    transform or profiler; a tensor requiring its gradient with gradients on; a profiling override; the tuning
+    cache's entry changed)."""
+    launch = _LAUNCH[0]
+    fp = launch.CALL_PLANS.get(key)
+    if fp is None:
+        return None
+    if torch.autograd._profiler_enabled() or launch._profiling_override() or not context_allows(()):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
+        return None
+    if not launch.forward_plan_current(fp):
+        return None
+    return launch.run_forward(fp, x, dt, A, B, C, D, z, dt_bias, initial_states)

@@ -144,8 +144,17 @@ def ladder(spec, chunk):
         for f in launches:
             f()
 
+    def public_without_remembered():
+        saved = eager.remembered_call
+        eager.remembered_call = lambda *a: None
+        try:
+            public_call(case)
+        finally:
+            eager.remembered_call = saved
+
     return {
         "public call": parts["public call"],
+        "public call, its remembered plan declined": public_without_remembered,
         "eager.scan_combined": lambda: eager.scan_combined(x, dt, A, B, C, L, D, z, dt_bias, init, None, softplus,
                                                            dt_min, dt_max),
         "planned_forward": parts["planned_forward"],
