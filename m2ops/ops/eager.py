@@ -12,7 +12,9 @@ them instead of recomputing them in float32, which moves the gradients of dt, A 
 Without gradients the call goes further: launch.planned_forward keeps, per signature (sizes, dtypes, options,
 device, the launch module's switches), everything chunk_cumsum and chunk_scan decide from their inputs, and a
 repeated call only allocates and launches the same five kernels (same bits; the tuning cache's entry is checked
-every call, so a new or changed entry takes effect as it does for the launchers).
+every call, so a new or changed entry takes effect as it does for the launchers). A call whose arguments match,
+in everything the checks read, one that passed them and ran a plan goes to that plan first (call_key and
+remembered_call, at the end of this module).
 
 The ops stay what everything else sees: torch.compile (it traces the ops), dispatch and function modes,
 functorch transforms, tensor subclasses, and devices where the kernels do not run (the ops' reference
