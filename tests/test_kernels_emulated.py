@@ -832,11 +832,12 @@ def test_remembered_call_runs_the_kept_plan(monkeypatch):
     assert eager.remembered_call(("another",), *tensors) is None
     for change in (dict(seq_idx=torch.zeros(1, 130, dtype=torch.int32)), dict(cu_seqlens=torch.tensor([0, 130])),
                    dict(return_varlen_states=True), dict(dt_limit=list(kw["dt_limit"])),
-                   dict(x=kw["x"].as_subclass(_Sub))):
+                   dict(x=kw["x"].as_subclass(_Sub)), dict(dt_softplus=1), dict(chunk_size=True),
+                   dict(chunk_size=[64]), dict(dt_limit=([0.0], 1.0))):
         assert eager.call_key(**_call_key_args(case, **change), first=True) is None, change
     x = kw["x"]
     for change in (dict(x=x.float()), dict(x=x[:, :-1]), dict(x=x.transpose(1, 2).contiguous().transpose(1, 2)),
-                   dict(chunk_size=32), dict(dt_softplus=1), dict(dt_limit=(0, float("inf"))),
+                   dict(chunk_size=32), dict(dt_softplus=not kw["dt_softplus"]), dict(dt_limit=(0, float("inf"))),
                    dict(return_final_states=False), dict(D=None), dict(A=torch.nn.Parameter(kw["A"]))):
         other = eager.call_key(**_call_key_args(case, **change), first=True)
         assert other is not None and other != key, change

@@ -207,21 +207,23 @@ def test_cu_seqlens_non_tensor():
 
 
 @pytest.mark.parametrize("chunk_size,exc", [(16.0, TypeError), ("16", TypeError), (True, TypeError),
-                                             (None, TypeError), (0, ValueError), (-16, ValueError)],
-                         ids=["float", "str", "bool", "none", "zero", "negative"])
+                                             (None, TypeError), ([16], TypeError), (0, ValueError),
+                                             (-16, ValueError)],
+                         ids=["float", "str", "bool", "none", "list", "zero", "negative"])
 def test_bad_chunk_size(chunk_size, exc):
     check_raises(dict(valid(), chunk_size=chunk_size), exc, "chunk_size")
 
 
 @pytest.mark.parametrize("name,value", [("dt_softplus", 1), ("dt_softplus", "yes"), ("dt_softplus", None),
-                                        ("return_final_states", 1), ("return_final_states", None),
+                                        ("dt_softplus", [True]), ("return_final_states", 1),
+                                        ("return_final_states", None), ("return_final_states", {}),
                                         ("return_varlen_states", "no")])
 def test_bad_flags(name, value):
     check_raises(dict(valid(), **{name: value}), TypeError, name)
 
 
-@pytest.mark.parametrize("dt_limit", [0.5, (0.1,), (0.0, 1.0, 2.0), ("0", 1.0), None],
-                         ids=["scalar", "one", "three", "str", "none"])
+@pytest.mark.parametrize("dt_limit", [0.5, (0.1,), (0.0, 1.0, 2.0), ("0", 1.0), None, ([0.0], 1.0), (0.0, {})],
+                         ids=["scalar", "one", "three", "str", "none", "list_min", "dict_max"])
 def test_dt_limit_type(dt_limit):
     check_raises(dict(valid(), dt_limit=dt_limit), TypeError, "dt_limit")
 

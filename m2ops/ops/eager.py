@@ -145,7 +145,7 @@ def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
     """The public call's key for launch.CALL_PLANS, or None: no plan is kept yet (unless first: the call is about
     to take the direct path, having passed the checks), or the call is of a kind that is never kept (seq_idx,
     cu_seqlens, varlen states, dt_limit not a tuple, a tensor of another type than torch.Tensor or
-    nn.Parameter). Never raises, whatever the arguments."""
+    nn.Parameter, plain arguments not of the exact builtin types). Never raises, whatever the arguments."""
     if torch.compiler.is_compiling():  # (first: dynamo then never reads the rest)
         return None
     if first:
@@ -164,8 +164,12 @@ def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
         else:
             return None
     lo, hi = dt_limit
-    return (*metas, type(chunk_size), chunk_size, type(dt_softplus), dt_softplus, type(lo), lo, type(hi), hi,
-            type(return_final_states), return_final_states, _LAUNCH[0]._knobs())
+    # Plain values of exact builtin types only: anything else (a bool chunk size, a list, an unhashable object) is
+    # left to check_inputs, whose error it must raise.
+    if (type(chunk_size) is not int or type(dt_softplus) is not bool or type(return_final_states) is not bool
+            or type(lo) not in (int, float) or type(hi) not in (int, float)):
+        return None
+    return (*metas, chunk_size, dt_softplus, type(lo), lo, type(hi), hi, return_final_states, _LAUNCH[0]._knobs())
 
 
 def remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states):
