@@ -135,7 +135,7 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 # planned_forward's own signature cost the H200's host about 35 of a planned forward's 117 us at 4K tokens
 # (tests/gpu/plan_cost.py --ladder), against 40 us for the five launches. A call whose key matches one that passed
 # all of them and ran a plan (launch.CALL_PLANS) goes to that plan directly. The key holds everything those steps
-# read from the arguments: each tensor's exact type, size, dtype, device and contiguity, and the plain arguments
+# read from the arguments: each tensor's exact type, size, dtype, layout, device and contiguity, and the plain arguments
 # with their types, so an argument check cannot come out differently; what they read from elsewhere (compile,
 # modes, transforms, the profiler, gradient mode and requires_grad, the launch module's switches and profiling
 # overrides, the tuning cache) is looked at on every call.
@@ -156,13 +156,16 @@ def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
             or type(dt_limit) is not tuple or len(dt_limit) != 2):
         return None
     metas = []
-    for t in (x, dt, A, B, C, D, z, dt_bias, initial_states):
-        if t is None:
-            metas.append(None)
-        elif type(t) in _PLAIN:
-            metas.append((type(t), t.shape, t.dtype, t.device, t.is_contiguous()))
-        else:
-            return None
+    try:  # (a sparse or otherwise unusual tensor may raise here; check_inputs then says what is wrong)
+        for t in (x, dt, A, B, C, D, z, dt_bias, initial_states):
+            if t is None:
+                metas.append(None)
+            elif type(t) in _PLAIN:
+                metas.append((type(t), t.shape, t.dtype, t.layout, t.device, t.is_contiguous()))
+            else:
+                return None
+    except Exception:  # noqa: BLE001
+        return None
     lo, hi = dt_limit
     # Plain values of exact builtin types only: anything else (a bool chunk size, a list, an unhashable object) is
     # left to check_inputs, whose error it must raise.
