@@ -4,7 +4,8 @@
 # Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
 # and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
 # variants (tests/gpu/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table),
-# backward_profile (tests/gpu/backward_scan.py: the backward's time by kernel).
+# backward_profile (tests/gpu/backward_scan.py: the backward's time by kernel), host (tests/gpu/plan_cost.py --ladder:
+# an eager forward's host time, step by step).
 # LIMIT_<step>=seconds overrides a step's time limit.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -41,6 +42,7 @@ for s in "${steps[@]}"; do
     backward_memcheck) run backward_memcheck 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 M2OPS_GPU_EXAMPLES=2 compute-sanitizer --tool memcheck python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
     backward_profile) run backward_profile 240 python tests/gpu/backward_scan.py --shapes 4K:128,16K:128,64K:128 --json "$OUT/backward_profile.json" ;;
     profile_table) run profile_table 180 python -m m2ops.bench.profile --backward --rows 30 ;;
+    host) run host 120 python tests/gpu/plan_cost.py --shapes 4K:64,1K:64 --ladder 7 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
