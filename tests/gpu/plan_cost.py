@@ -55,26 +55,18 @@ def rows(spec, chunk):
         raise SystemExit(f"{spec}: no forward plan")
     bias = dt_bias if dt_bias is not None else A
     seq = launch._dummy(x, torch.int32, 2)
-    dt_out, cs = launch._run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias)
-    entering, final = launch._run_states(fp.states, fp.entering_dtype, x, B, dt_out, cs, seq, init)
     Dk = launch._d_arg(D, x)[0]
     zk = z if z is not None else x
     st, op = fp.states, fp.out
-    local = torch.empty(st.states_shape, dtype=st.local_dtype, device=x.device)
-    cb = torch.empty(op.cb_shape, dtype=op.cb_dtype, device=x.device)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    b, nchunks, h, p, n = st.states_shape
-    init_flat = init.reshape(b, h, p * n) if init is not None else launch._dummy(x, torch.float32, 3)
-    launches = {
-        "chunk_cumsum": (fp.cumsum, (dt, A, bias, dt_out, cs)),
-        "chunk_state": (st.chunk_state, (x, B, dt_out, cs, seq, local)),
-        "state_passing": (st.state_passing, (local.view(b, nchunks, h, p * n), cs, seq, init_flat,
-                                             final.view(b, h, p * n),
-                                             entering.view(b, nchunks, h, p * n) if st.separate
-                                             else launch._dummy(x, torch.float32, 4))),
-        "chunk_cb": (op.chunk_cb, (C, B, cb)),
-        "compute_out": (op.compute_out, (x, dt_out, cs, C, cb, entering, Dk, zk, seq, y)),
-    }
+    # The five launches, recorded (and run, so that every buffer holds what a call leaves in it) through the
+    # run steps' own go hook: each kernel's step and arrays as run_forward passes them.
+    recorded = []
+    record = lambda step, arrays: (recorded.append((step, arrays)), step.launch(arrays))  # noqa: E731
+    dt_out, cs = launch._run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias, go=record)
+    entering, final = launch._run_states(st, fp.entering_dtype, x, B, dt_out, cs, seq, init, go=record)
+    y = launch._run_out(op, x, dt_out, cs, C, B, entering, Dk, zk, seq, go=record)
+    launches = {step.kernel._pyfunc.__name__.removesuffix("_kernel"): (step, arrays) for step, arrays in recorded}
+    cb = launches["chunk_cb"][1][2]
     parts = {
         "public call": lambda: public_call(case),
         "check_inputs": lambda: check_inputs(x, dt, A, B, C, L, D, z, dt_bias, init, None, None, softplus,
@@ -96,8 +88,8 @@ def rows(spec, chunk):
         "empty final states": lambda: torch.empty(final.shape, dtype=torch.float32, device=x.device),
         "empty cb": lambda: torch.empty(op.cb_shape, dtype=op.cb_dtype, device=x.device),
         "empty y": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        "empty uint8 workspace (all 5 scratch)": lambda: torch.empty(
-            (2 * dt_out.nbytes + 2 * local.nbytes + cb.nbytes,), dtype=torch.uint8, device=x.device),
+        "empty uint8 workspace (all 5 scratch)": lambda: torch.empty((fp.scratch_bytes,), dtype=torch.uint8,
+                                                                     device=x.device),
         "uint8 slice .view(dtype).view(shape)": lambda: cb.view(torch.uint8).reshape(-1)[:cb.nbytes]
         .view(op.cb_dtype).view(op.cb_shape),
         "as_strided": lambda: y.as_strided(y.shape, y.stride(), 0),
