@@ -45,6 +45,7 @@ def cache_path() -> str:
 
 @functools.lru_cache(maxsize=4)
 def _default_path(home) -> str:
+    """~/.cache/m2ops/tuning.json, kept per value of HOME (home: the cache key; expanduser reads HOME itself)."""
     return os.path.join(os.path.expanduser("~"), ".cache", "m2ops", "tuning.json")
 
 
