@@ -124,6 +124,50 @@ def test_unchecked_load_outside_array_raises(monkeypatch):
                            None, None, None)
 
 
+@pytest.mark.parametrize("headdim,dstate,block,checked", [(16, 32, 512, False), (16, 64, 512, False),
+                                                          (16, 20, 512, True), (80, 100, 1024, True)])
+@pytest.mark.parametrize("seq_idx", [False, True])
+@pytest.mark.parametrize("separate", [False, True])
+def test_state_passing_checks_only_partial_blocks(monkeypatch, headdim, dstate, block, checked, seq_idx, separate):
+    """state_passing loads its blocks unchecked (CHK False) exactly where the block divides a head's state, and
+    gives the reference's entering and final states either way (in place, or to the separate bfloat16 array),
+    across seq_idx restarts and an odd number of chunks. The emulator raises if an unchecked load leaves its
+    array."""
+    monkeypatch.setattr(launch, "FORWARD_STATE_BLOCK", block)
+    case = _bf16_case(chunk_size=64, batch=2, seqlen=300, nheads=2, ngroups=1, headdim=headdim, dstate=dstate,
+                      initial_states=True, seq_idx=seq_idx, nseqs=3, seed=dstate)
+    _, fin_ref, _, mid = reference_forward(case)
+    seen = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, args, *rest):
+            if kernel._pyfunc.__name__ == "state_passing_kernel":
+                seen.append(args[-5:])  # BLK, HAS_SEQ, LAT, SEP, CHK
+            return emulated(grid, kernel, args, *rest)
+
+        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                            case["initial_states"], case["seq_idx"], None,
+                                            entering_dtype=torch.bfloat16 if separate else None)
+    assert [(s[0], s[4]) for s in seen] == [(block, checked)]
+    assert launch.state_passing_checks(block, headdim * dstate) is checked
+    _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states")
+    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
+
+
+def test_state_blocks_of_forward_and_backward(monkeypatch):
+    """The forward's walk takes FORWARD_STATE_BLOCK whatever the shape; the backward's walk keeps its own rule
+    (the largest block that still fills the GPU); STATE_BLOCK_OVERRIDE sets both."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert launch.forward_state_block() == launch.FORWARD_STATE_BLOCK == 512
+    assert launch.backward_walk_block(1, 80, 64 * 128, cpu) == 1024
+    assert launch.backward_walk_block(1, 80, 64 * 256, cpu) == 2048
+    monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 2048)
+    assert launch.forward_state_block() == launch.backward_walk_block(1, 80, 64 * 128, cpu) == 2048
+
+
 @given(cases(), st.sampled_from([True, None]))
 @SWEEP
 def test_chunk_scan(kw, path):
@@ -170,7 +214,7 @@ def test_chunk_scan_on_sub_chunks(seqlen, sub, dtype):
                      initial_states=True, seq_idx=True, D="h", z=True, device="cpu", seed=seqlen)
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
-        blk = launch.state_passing_block(1, 2, 16 * 32, case["x"].device)
+        blk = launch.forward_state_block()
         y, fin = launch._chunk_scan_with({"path": "split", "state_block": blk, "chunk": sub}, case["x"],
                                          mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                          case["initial_states"], case["D"], case["z"], case["seq_idx"])

@@ -27,11 +27,13 @@ TILE_N = 64
 # Heads per chunk_cumsum program.
 TILE_H = 16
 
-# state_passing: elements of one head's flattened (headdim x dstate) state per program. The launcher picks
-# the largest that still gives enough programs to fill the GPU (state_passing_block); specs.py builds all.
+# state_passing (and the backward's walk): elements of one head's flattened (headdim x dstate) state per
+# program. The forward takes the smallest (launch.forward_state_block), the backward's walk the largest that
+# still gives enough programs to fill the GPU (launch.backward_walk_block); the tuner tries all; specs.py
+# builds all.
 STATE_BLOCKS = (512, 1024, 2048, 4096)
-# Programs per SM state_passing aims for: each keeps one block load in flight, and about 4-5 MB must be in
-# flight to cover HBM latency at full bandwidth (4 per SM x 132 SMs x 4-8 KB).
+# Programs per SM the backward's walk aims for: each keeps one block load in flight, and about 4-5 MB must be
+# in flight to cover HBM latency at full bandwidth (4 per SM x 132 SMs x 4-8 KB).
 STATE_PROGRAMS_PER_SM = 4
 # Latency hint (1-10) of the streaming loads of the chunks' local states in state_passing.
 STATE_LOAD_LATENCY = 10

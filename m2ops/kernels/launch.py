@@ -118,20 +118,41 @@ def _bounds_checked(kernel_name: str, k: dict, seqlen: int, headdim: int, dstate
     return {**k, "CHK": not tiles_in_bounds(seqlen, headdim, dstate, k)}
 
 
-def state_passing_constants(block: int, has_seq: bool, separate: bool = False) -> dict:
-    return dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY, SEP=bool(separate))
+def state_passing_constants(block: int, has_seq: bool, separate: bool = False, check: bool = True) -> dict:
+    """check: bounds-checked, zero-padded loads of the local states; state_passing_checks says when they are
+    needed."""
+    k = dict(BLK=block, HAS_SEQ=bool(has_seq), LAT=STATE_LOAD_LATENCY, SEP=bool(separate), CHK=bool(check))
+    k.update(CONSTANT_OVERRIDE.get("state_passing", {}))
+    return k
 
 
-# None: state_passing_block's choice; an element of STATE_BLOCKS: that block (tests/gpu/check_kernels.py
-# --profile sweeps it).
+def state_passing_checks(block: int, state_elems: int) -> bool:
+    """Whether state_passing's blocks of `block` elements need bounds checks: the last block of a head's state
+    is partial."""
+    return state_elems % block != 0
+
+
+# None: the launchers' choice (forward_state_block, backward_walk_block); an element of STATE_BLOCKS: that block
+# (tests/gpu/check_kernels.py --profile and tests/gpu/variants_scan.py sweep it).
 STATE_BLOCK_OVERRIDE = None
+# state_passing's block in the forward: the smallest of STATE_BLOCKS. Since v25 (loads carried raw through the
+# walk) it was the fastest block, or within noise of it, at every shape measured on an H200 (B=1, H=80, P=64,
+# bf16, chunk 256, tests/gpu/variants_scan.py and graph_scan.py "sp blk<n>": T=1K-64K, dstate 64-512), e.g.
+# the call at T=16K N=128 0.394 ms against 0.405 with the older rule's 1024 and 0.411 with 2048, at T=64K
+# N=128 1.492 against 1.533; 256 was slower everywhere (0.409, 1.549).
+FORWARD_STATE_BLOCK = 512
 
 
-def state_passing_block(batch: int, nheads: int, state_elems: int, device) -> int:
-    """The largest block of STATE_BLOCKS that gives at least STATE_PROGRAMS_PER_SM programs per SM (the
-    smallest block when none does): bigger blocks mean fewer, longer loads per program, smaller ones more
-    programs to hide each chunk's load latency behind. 1024 at B=1, H=80, P=64, N=128 on 132 SMs
-    (640 programs); 2048 at N=256."""
+def forward_state_block() -> int:
+    """The forward state_passing's block of state elements per program (FORWARD_STATE_BLOCK, or the override)."""
+    return STATE_BLOCK_OVERRIDE if STATE_BLOCK_OVERRIDE is not None else FORWARD_STATE_BLOCK
+
+
+def backward_walk_block(batch: int, nheads: int, state_elems: int, device) -> int:
+    """The backward walk's block (state_passing_bwd): the largest of STATE_BLOCKS that gives at least
+    STATE_PROGRAMS_PER_SM programs per SM (the smallest block when none does): bigger blocks mean fewer, longer
+    loads per program, smaller ones more programs to hide each chunk's load latency behind. 1024 at B=1,
+    H=80, P=64, N=128 on 132 SMs (640 programs); 2048 at N=256."""
     if STATE_BLOCK_OVERRIDE is not None:
         return STATE_BLOCK_OVERRIDE
     sms = _sm_count(device)
@@ -582,11 +603,12 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                         (T, h, h // g, n_state_tiles, n_ptiles,
                          k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"]), device)
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
-    blk = state_block or state_passing_block(b, h, p * n, device)
+    blk = state_block or forward_state_block()
     n_blocks = cdiv(p * n, blk)
-    ks = state_passing_constants(blk, has_seq, separate)
+    ks = state_passing_constants(blk, has_seq, separate, state_passing_checks(blk, p * n))
     state_passing = _step((h * n_blocks, b, 1), state_passing_kernel,
-                          (T, nchunks, n_blocks, int(has_init), L, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]),
+                          (T, nchunks, n_blocks, int(has_init), L, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"],
+                           ks["CHK"]),
                           device)
     return _StatePlan(states_shape(b, nchunks, h, p, n), torch.bfloat16 if local_bf16 else torch.float32,
                       separate, chunk_state, state_passing)
@@ -594,7 +616,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
                    entering_dtype=None, varlen_out=True):
-    """state_block: the state_passing block size (default: state_passing_block's choice). entering_dtype
+    """state_block: the state_passing block size (default: forward_state_block()). entering_dtype
     (bfloat16; without cu_seqlens): the entering states are returned in that dtype, written by state_passing
     to their own buffer (for compute_out alone: chunk_scan's STATES_IN_BF16 experiment). varlen_out=False
     (without cu_seqlens): None in place of the empty varlen states the op returns."""
@@ -740,7 +762,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
     _, per_seg = segment_count(batch, nheads, n_ptiles, n_blocks, device)
-    blk = state_passing_block(batch, nheads, headdim * dstate, device)
+    blk = forward_state_block()
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
@@ -898,16 +920,16 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     # 2. The states entering the segments (in place) and the final state: state_passing over segments,
     # with each segment's decay as a one-position "chunk" (its seq_idx cuts are already in the decay).
     pn = p * n
-    blk = state_passing_block(b, h, pn, dev)
+    blk = forward_state_block()
     n_sblocks = cdiv(pn, blk)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
     init = (_as(initial_states, torch.float32).reshape(b, h, pn) if initial_states is not None
             else _dummy(x, torch.float32, 3))
-    ks = state_passing_constants(blk, False)
+    ks = state_passing_constants(blk, False, check=state_passing_checks(blk, pn))
     _launch((h * n_sblocks, b, 1), state_passing_kernel,
             (seg_states.view(b, nseg, h, pn), seg_logcarry, _dummy(x, torch.int32, 2), init,
              final_states.view(b, h, pn), _dummy(x, torch.float32, 4), T, nseg, n_sblocks,
-             int(initial_states is not None), 1, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"]))
+             int(initial_states is not None), 1, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"], ks["CHK"]))
 
     # 3. y, walking each segment from its entering state.
     y = torch.empty(x.shape, dtype=mma_dtype, device=dev)

@@ -22,7 +22,7 @@ from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .common import STATE_BLOCKS, TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
 from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, chunk_cb_constants, compute_out,
-                     fwd_pass_state, state_passing_block)
+                     fwd_pass_state, backward_walk_block)
 from .state_pass_bwd import state_carry_grad_kernel, state_passing_bwd_kernel
 
 
@@ -42,7 +42,7 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 # dstate 512 18.29 / 17.61, T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force
 # one way; M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
 SEPARATE_CARRY_GRAD = envvars.switch("M2OPS_BWD_SEPARATE_CARRY", None)
-# The largest walk block (launch.state_passing_block) at which the sum is taken apart from the walk.
+# The largest walk block (launch.backward_walk_block) at which the sum is taken apart from the walk.
 SEPARATE_CARRY_MAX_BLOCK = 512
 
 
@@ -121,7 +121,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         # float32, or the forward's bfloat16 copy (m2ops/ops/eager.py), which state_passing_bwd widens on load
         states = (states if states.dtype == torch.bfloat16 else _as(states, torch.float32)).contiguous()
     pn = p * n
-    blk = state_passing_block(b, h, pn, dev)
+    blk = backward_walk_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
     g_local = torch.empty((b, nchunks, h, p, n), device=dev,
                           dtype=getattr(torch, g_local_dtype_name(launch._dtype_name(mma_dtype))))

@@ -21,6 +21,7 @@ actual strides and alignment, as it does for any kernel.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import cuda.tile as ct
@@ -254,13 +255,13 @@ def all_specs() -> list[Spec]:
                                for L in CHUNK_SIZES for ld in launch.local_dtype_names(dt, L)})
                    for sd in separate}
     for blk in STATE_BLOCKS:
-        for has_seq in (False, True):
-            out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq),
+        for has_seq, chk in itertools.product((False, True), (False, True)):
+            out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq, check=chk),
                             _params("state_passing", F32)))
             for sd in separate:
                 for ld in locals_with[sd]:
                     out.append(Spec("state_passing", F32,
-                                    launch.state_passing_constants(blk, has_seq, separate=True),
+                                    launch.state_passing_constants(blk, has_seq, separate=True, check=chk),
                                     _params("state_passing", F32, state_dtype=sd, local_dtype=ld),
                                     dtypes=(("entering", sd),) + ((("local", ld),) if ld != F32 else ())))
     # Backward kernels (launch_bwd.py). Apart from

@@ -224,7 +224,7 @@ def profile():
             r = dict(T=T, N=N, L=L, cumsum=_median_ms(cumsum), fwd=_median_ms(fwd), out=_median_ms(out),
                      public=_median_ms(pub))
             r["kernels"] = _kernel_times(pub)
-            blk = launch.state_passing_block(1, 80, 64 * N, x.device)
+            blk = launch.forward_state_block()
             print(f"profile T={T} N={N} L={L}: chunk_cumsum {r['cumsum']:.3f}  fwd_pass_state {r['fwd']:.3f}  "
                   f"compute_out {r['out']:.3f}  public {r['public']:.3f} ms  (state block {blk}; "
                   f"{time.time() - t0:.0f}s with compiles)", flush=True)

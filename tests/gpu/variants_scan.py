@@ -101,13 +101,22 @@ VARIANTS = {
     "state HB1": ({"chunk_state": {"HB": 1}}, {}, True, "cb16", "states16", "local16"),
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
 }
+# state_passing's block ("sblk<n>": STATE_BLOCK_OVERRIDE, 256 included, which the compile list does not hold),
+# and its local-state loads bounds-checked where the block divides the state (CHK True: a zero-padded load),
+# on the defaults
+_DEFAULT_FLAGS = ("cb16", "states16", "local16")
+for _blk in (256, 512, 1024, 2048, 4096):
+    VARIANTS[f"sp blk{_blk}"] = ({}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
+    VARIANTS[f"sp blk{_blk} checked"] = ({"state_passing": {"CHK": True}}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
 
 
 @contextlib.contextmanager
 def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
-    defaults = index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16
+    defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
+                launch.STATE_BLOCK_OVERRIDE)
     consts, hints, narrow, *flags = VARIANTS[name]
+    launch.STATE_BLOCK_OVERRIDE = next((int(f[4:]) for f in flags if f.startswith("sblk")), None)
     index_width.NARROW_INDEX = narrow
     launch.CB_IN_BF16 = "cb16" in flags
     launch.STATES_IN_BF16 = "states16" in flags
@@ -122,7 +131,7 @@ def variant(name):
         launch.CONSTANT_OVERRIDE.clear()
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
-         launch.LOCAL_STATES_IN_BF16) = defaults
+         launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE) = defaults
 
 
 def main():
