@@ -708,17 +708,20 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block", [
-    (torch.bfloat16, True, True, 256), (torch.float32, False, False, None), (torch.bfloat16, False, False, 1024)])
-def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block):
+@pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block,dstate", [
+    (torch.bfloat16, True, True, 256, 32), (torch.float32, False, False, None, 32),
+    (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])
+def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block, dstate):
     """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
     forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
-    walk, also from the forward's bfloat16 entering states (the eager path's). The state here has 512
-    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end."""
+    walk, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state has 512
+    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end,
+    and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block is
+    partial (checked loads)."""
     from m2ops.kernels import launch_bwd
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
-                     dstate=32, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=21)
+                     dstate=dstate, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=21)
     case["A"] = case["A"] * 0.02  # slow decay: carries near 1, so that gcarry's share of g_dA_cumsum counts
     _, fin_ref, _, mid = reference_forward(case)
     gen = torch.Generator().manual_seed(21)

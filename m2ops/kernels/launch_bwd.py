@@ -60,8 +60,9 @@ def carry_block(state_elems: int) -> int:
     return max(fits) if fits else min(STATE_BLOCKS)
 
 
-def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True) -> dict:
-    return dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk))
+def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True, check: bool = True) -> dict:
+    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed)."""
+    return dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
 
 
 def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
@@ -129,12 +130,14 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     # gcarry's shares: one per walk block, or one per chunk from state_carry_grad_kernel
     g_carry_part = torch.empty((b, h, nchunks, 1 if separate else n_blocks), dtype=torch.float32, device=dev)
     g_init = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
-    ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not separate)
+    # (the walk with gcarry loads bounds-checked whatever the block)
+    ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not separate,
+                                     check=not separate or launch.state_passing_checks(blk, pn))
     launch._launch((h * n_blocks, b, 1), state_passing_bwd_kernel,
             (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
              _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
-             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"]))
+             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"]))
     if not ks["GC"]:
         cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", carry_block(pn))
         launch._launch((nchunks * h, b, 1), state_carry_grad_kernel,

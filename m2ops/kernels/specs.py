@@ -305,8 +305,10 @@ def all_specs() -> list[Spec]:
                             _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
             for has_seq in (False, True):
                 # with gcarry in the walk, and without it (launch_bwd.separate_carry_grad)
-                for gc in (True, False):
-                    out.append(Spec("state_passing_bwd", F32, launch_bwd.state_passing_bwd_constants(blk, has_seq, gc),
+                # (the walk without gcarry loads unchecked where the block divides the state)
+                for gc, chk in ((True, True), (False, True), (False, False)):
+                    out.append(Spec("state_passing_bwd", F32,
+                                    launch_bwd.state_passing_bwd_constants(blk, has_seq, gc, check=chk),
                                     _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:

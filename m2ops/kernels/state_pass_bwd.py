@@ -27,18 +27,25 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstBool, ConstInt
+from .common import LOG2E, Big, ConstBool, ConstInt, exp2
 from .common import mma_operand as _op
-from .state_passing import _chunk_carry, _chunk_inputs
+from .state_passing import _chunk_inputs, _raw_carry
 
 _ZERO = ct.PaddingMode.ZERO
+
+
+def _state_block(array, b, c, h, blk, BLK, CHK):
+    """Block blk of chunk c's flattened state in array (b, c, h, P*N); unchecked where the block divides it."""
+    if CHK:
+        return ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+    return ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), check_bounds=False).reshape((BLK,))
 
 
 @ct.kernel
 def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum: Big, seq_idx: Big,
                              g_local: Big, g_carry_part: Big, g_init: Big,
                              seqlen: int, nchunks: int, n_blocks: int, L: int,
-                             BLK: ConstInt, HAS_SEQ: ConstBool, GC: ConstBool):
+                             BLK: ConstInt, HAS_SEQ: ConstBool, GC: ConstBool, CHK: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     blk = pid % n_blocks
@@ -49,18 +56,21 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         # Why: measured on the H200, this walk took 0.85 ms at T=64K, 80 heads, dstate 64 where the forward's
         # (the same traffic, reads issued a chunk ahead, no reduction) takes 0.16; issuing the reads ahead
         # with the per-chunk block sum still in the loop made it slower (0.95). Here the loop holds neither
-        # the sum nor the states' reads: only chunk c - 1's carry and g_states block, read ahead.
+        # the sum nor the states' reads: only chunk c - 1's carry and g_states block, read ahead. Both stay as
+        # loaded until the step that uses them (cs_last is exponentiated there), and the loads are unchecked
+        # where the block divides the state, as in the forward's walk (state_passing.py): 0.160 -> 0.147 ms at
+        # T=64K N=64, 0.041 -> 0.038 at T=16K N=64 (docs/performance-log.md, v25).
         c = nchunks - 1
-        carry = _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
-        gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+        cs = _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
+        gst = _state_block(g_states, b, c, h, blk, BLK, CHK)
         for i in range(nchunks):
             c = nchunks - 1 - i
             prv = ct.maximum(c - 1, 0)  # at c = 0 chunk 0 is read again, unused
-            carry_p = _chunk_carry(dA_cumsum, seq_idx, b, h, prv, seqlen, L, HAS_SEQ)
-            gst_p = ct.load(g_states, (b, prv, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
+            cs_p = _raw_carry(dA_cumsum, seq_idx, b, h, prv, seqlen, L, HAS_SEQ)
+            gst_p = _state_block(g_states, b, prv, h, blk, BLK, CHK)
             ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
-            g = gst + carry * g
-            carry, gst = carry_p, gst_p
+            g = gst + exp2(cs * LOG2E) * g
+            cs, gst = cs_p, gst_p
         ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
         return
     for i in range(nchunks):

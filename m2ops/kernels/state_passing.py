@@ -66,16 +66,21 @@ def _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
 
 
 def _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, LAT, CHK):
-    """Chunk c's local state block as stored and cs at its last token (-inf where the entering state does not
-    survive the chunk: its last token is of another sequence than the token before the chunk; sequence 0
-    owns initial_states), both as loaded: the walk widens and exponentiates them in the step that uses them
-    (see the module's docstring)."""
+    """Chunk c's local state block as stored and its _raw_carry, both as loaded: the walk widens and
+    exponentiates them in the step that uses them (see the module's docstring)."""
     if CHK:
         local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
                         latency=LAT).reshape((BLK,))
     else:
         local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), check_bounds=False,
                         latency=LAT).reshape((BLK,))
+    return local, _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
+
+
+def _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
+    """cs at chunk c's last token, whose exp is the chunk's carry; -inf where the entering state does not
+    survive the chunk (its last token is of another sequence than the token before the chunk; sequence 0 owns
+    initial_states), so that exp2 gives the 0.0 carry."""
     cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
     if HAS_SEQ:
         start = c * L
@@ -83,7 +88,7 @@ def _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, 
         seq_prev = ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=())
         seq_prev = ct.where(c == 0, 0, seq_prev)
         cs_last = ct.where(seq_last == seq_prev, cs_last, -float("inf"))
-    return local, cs_last
+    return cs_last
 
 
 @ct.kernel
