@@ -156,6 +156,27 @@ def test_state_passing_checks_only_partial_blocks(monkeypatch, headdim, dstate, 
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
+def test_kept_state_plan_follows_the_forward_block(monkeypatch):
+    """FORWARD_STATE_BLOCK is part of a kept plan's key: changing it between two identical calls changes the
+    block the second call launches with."""
+    case = _bf16_case(chunk_size=64, batch=1, seqlen=200, nheads=2, ngroups=1, headdim=16, dstate=64, seed=3)
+    _, _, _, mid = reference_forward(case)
+    blocks = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, args, *rest):
+            if kernel._pyfunc.__name__ == "state_passing_kernel":
+                blocks.append(args[-5])
+            return emulated(grid, kernel, args, *rest)
+
+        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        for block in (512, 1024):
+            monkeypatch.setattr(launch, "FORWARD_STATE_BLOCK", block)
+            launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], None, None, None)
+    assert blocks == [512, 1024]
+
+
 def test_state_blocks_of_forward_and_backward(monkeypatch):
     """The forward's walk takes FORWARD_STATE_BLOCK whatever the shape; the backward's walk keeps its own rule
     (the largest block that still fills the GPU); STATE_BLOCK_OVERRIDE sets both."""

@@ -504,7 +504,7 @@ def _step(grid, kernel, tail, device) -> Step:
 def _knobs() -> tuple:
     return (CB_IN_BF16, STATES_IN_BF16, LOCAL_STATES_IN_BF16, CHUNK_STATE_TN, CHUNK_STATE_SMALL_TN, PDL,
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
-            SEGMENT_PROGRAMS_PER_SM)
+            SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK)
 
 
 def _profiling_override() -> bool:
