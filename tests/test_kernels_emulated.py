@@ -11,6 +11,7 @@ Skipped when cuda.tile is not installed (the kernels cannot even be imported the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,21 @@ SWEEP = settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 def _check(out, expected, kind, dtype, what):
     err = rel_err(out, expected)
     assert err <= TOL[kind][dtype], f"{what}: relative error {err:.3e} > {TOL[kind][dtype]:.0e}"
+
+
+@contextlib.contextmanager
+def emulated_launches():
+    """emulated_kernels(), recording every launch as (kernel name, grid, arguments)."""
+    launches = []
+    with emulated_kernels():
+        emulated = launch._launch
+
+        def spy(grid, kernel, args, *rest):
+            launches.append((kernel._pyfunc.__name__, grid, args))
+            return emulated(grid, kernel, args, *rest)
+
+        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        yield launches
 
 
 @st.composite
@@ -137,20 +153,12 @@ def test_state_passing_checks_only_partial_blocks(monkeypatch, headdim, dstate, 
     case = _bf16_case(chunk_size=64, batch=2, seqlen=300, nheads=2, ngroups=1, headdim=headdim, dstate=dstate,
                       initial_states=True, seq_idx=seq_idx, nseqs=3, seed=dstate)
     _, fin_ref, _, mid = reference_forward(case)
-    seen = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, args, *rest):
-            if kernel._pyfunc.__name__ == "state_passing_kernel":
-                seen.append(args[-5:])  # BLK, HAS_SEQ, LAT, SEP, CHK
-            return emulated(grid, kernel, args, *rest)
-
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+    with emulated_launches() as launches:
         st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                             case["initial_states"], case["seq_idx"], None,
                                             entering_dtype=torch.bfloat16 if separate else None)
-    assert [(s[0], s[4]) for s in seen] == [(block, checked)]
+    # the constants end the arguments: BLK, HAS_SEQ, LAT, SEP, CHK
+    assert [(a[-5], a[-1]) for name, _, a in launches if name == "state_passing_kernel"] == [(block, checked)]
     assert launch.state_passing_checks(block, headdim * dstate) is checked
     _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
@@ -161,20 +169,11 @@ def test_kept_state_plan_follows_the_forward_block(monkeypatch):
     block the second call launches with."""
     case = _bf16_case(chunk_size=64, batch=1, seqlen=200, nheads=2, ngroups=1, headdim=16, dstate=64, seed=3)
     _, _, _, mid = reference_forward(case)
-    blocks = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, args, *rest):
-            if kernel._pyfunc.__name__ == "state_passing_kernel":
-                blocks.append(args[-5])
-            return emulated(grid, kernel, args, *rest)
-
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+    with emulated_launches() as launches:
         for block in (512, 1024):
             monkeypatch.setattr(launch, "FORWARD_STATE_BLOCK", block)
             launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], None, None, None)
-    assert blocks == [512, 1024]
+    assert [a[-5] for name, _, a in launches if name == "state_passing_kernel"] == [512, 1024]
 
 
 def test_state_blocks_of_forward_and_backward(monkeypatch):
@@ -623,21 +622,13 @@ def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
                       z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=17)
     y_ref, _, _, mid = reference_forward(case)
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 128}})
-    blocks = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, kargs, *rest):
-            if kernel._pyfunc.__name__ in ("chunk_cb_kernel", "compute_out_kernel"):
-                blocks.append((kernel._pyfunc.__name__, grid[0], kargs[-2] if "cb" in kernel._pyfunc.__name__
-                               else kargs[-6]))
-            return emulated(grid, kernel, kargs, *rest)
-
-        launch._launch = spy
+    with emulated_launches() as launches:
         y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                                case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", torch.bfloat16, "y")
     # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
+    # BL: chunk_cb's second-to-last argument, compute_out's sixth from the end
+    blocks = [(name, grid[0], a[-2] if name == "chunk_cb_kernel" else a[-6]) for name, grid, a in launches]
     assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
     with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
@@ -690,19 +681,10 @@ def test_local_states_in_bf16(monkeypatch, seq_idx):
     case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
                       initial_states=True, seq_idx=seq_idx, nseqs=2, seed=5)
     y_ref, fin_ref, _, mid = reference_forward(case)
-    seen = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, args, *rest):
-            if kernel._pyfunc.__name__ == "chunk_state_kernel":
-                seen.append(args[5].dtype)
-            return emulated(grid, kernel, args, *rest)
-
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+    with emulated_launches() as launches:
         y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                    case["initial_states"], case["D"], None, case["seq_idx"])[:2]
-    assert seen == [torch.bfloat16]
+    assert [a[5].dtype for name, _, a in launches if name == "chunk_state_kernel"] == [torch.bfloat16]
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
@@ -753,17 +735,9 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
     if carry_block is not None:  # else launch_bwd.carry_block's choice
         monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
-    names = []
-    with emulated_kernels():
-        emulated = launch._launch
-
-        def spy(grid, kernel, kargs, *rest):
-            names.append(kernel._pyfunc.__name__)
-            return emulated(grid, kernel, kargs, *rest)
-
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+    with emulated_launches() as launches:
         got = launch_bwd.fwd_pass_state_bwd(*args, states)
-    assert "state_carry_grad_kernel" in names
+    assert "state_carry_grad_kernel" in [name for name, _, _ in launches]
     tol = BWD_TOL[dtype] * (2 if given_states else 1)  # bfloat16 entering states: one more rounding
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
