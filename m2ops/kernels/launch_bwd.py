@@ -21,8 +21,8 @@ from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .common import STATE_BLOCKS, TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
-from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, chunk_cb_constants, compute_out,
-                     fwd_pass_state, backward_walk_block)
+from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, backward_walk_block,
+                     chunk_cb_constants, compute_out, fwd_pass_state)
 from .state_pass_bwd import state_carry_grad_kernel, state_passing_bwd_kernel
 
 

@@ -29,16 +29,9 @@ import cuda.tile as ct
 
 from .common import LOG2E, Big, ConstBool, ConstInt, exp2
 from .common import mma_operand as _op
-from .state_passing import _chunk_inputs, _raw_carry
+from .state_passing import _chunk_inputs, _raw_carry, state_block
 
 _ZERO = ct.PaddingMode.ZERO
-
-
-def _state_block(array, b, c, h, blk, BLK, CHK):
-    """Block blk of chunk c's flattened state in array (b, c, h, P*N); unchecked where the block divides it."""
-    if CHK:
-        return ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
-    return ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), check_bounds=False).reshape((BLK,))
 
 
 @ct.kernel
@@ -62,12 +55,12 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         # T=64K N=64, 0.041 -> 0.038 at T=16K N=64 (docs/performance-log.md, v25).
         c = nchunks - 1
         cs = _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
-        gst = _state_block(g_states, b, c, h, blk, BLK, CHK)
+        gst = state_block(g_states, b, c, h, blk, BLK, CHK)
         for i in range(nchunks):
             c = nchunks - 1 - i
             prv = ct.maximum(c - 1, 0)  # at c = 0 chunk 0 is read again, unused
             cs_p = _raw_carry(dA_cumsum, seq_idx, b, h, prv, seqlen, L, HAS_SEQ)
-            gst_p = _state_block(g_states, b, prv, h, blk, BLK, CHK)
+            gst_p = state_block(g_states, b, prv, h, blk, BLK, CHK)
             ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
             g = gst + exp2(cs * LOG2E) * g
             cs, gst = cs_p, gst_p

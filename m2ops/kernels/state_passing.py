@@ -68,13 +68,18 @@ def _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
 def _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, LAT, CHK):
     """Chunk c's local state block as stored and its _raw_carry, both as loaded: the walk widens and
     exponentiates them in the step that uses them (see the module's docstring)."""
+    return (state_block(states, b, c, h, blk, BLK, CHK, LAT),
+            _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ))
+
+
+def state_block(array, b, c, h, blk, BLK, CHK, LAT=None):
+    """Block blk of chunk c's flattened state in array (b, c, h, P*N), as stored: zero-padded where CHK (the
+    last block of a head's state is partial), else unchecked."""
     if CHK:
-        local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
-                        latency=LAT).reshape((BLK,))
+        t = ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO, latency=LAT)
     else:
-        local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), check_bounds=False,
-                        latency=LAT).reshape((BLK,))
-    return local, _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
+        t = ct.load(array, (b, c, h, blk), shape=(1, 1, 1, BLK), check_bounds=False, latency=LAT)
+    return t.reshape((BLK,))
 
 
 def _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
