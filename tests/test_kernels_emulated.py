@@ -711,16 +711,19 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block,dstate", [
-    (torch.bfloat16, True, True, 256, 32), (torch.float32, False, False, None, 32),
-    (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])
-def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block, dstate):
-    """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
-    forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
-    walk, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state has 512
-    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end,
-    and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block is
-    partial (checked loads)."""
+@pytest.mark.parametrize("walk,dtype,seq_idx,given_states,carry_block,dstate", [
+    ("apart", torch.bfloat16, True, True, 256, 32), ("apart", torch.float32, False, False, None, 32),
+    ("apart", torch.bfloat16, False, False, 1024, 32), ("apart", torch.bfloat16, True, True, None, 20),
+    ("read-ahead", torch.bfloat16, True, True, None, 32), ("read-ahead", torch.float32, False, False, None, 32),
+    ("read-ahead", torch.bfloat16, True, False, None, 20)])
+def test_state_carry_grad_apart_from_the_walk(monkeypatch, walk, dtype, seq_idx, given_states, carry_block, dstate):
+    """"apart": launch_bwd.SEPARATE_CARRY_GRAD forced on, so state_passing_bwd walks without gcarry and
+    state_carry_grad forms it afterwards; "read-ahead": gcarry in the walk, which reads the previous chunk's
+    inputs ahead (the RA constant, an experiment). Every gradient of fwd_pass_state_bwd matches the
+    reference's, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state
+    has 512 elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past
+    its end, and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block
+    is partial (checked loads)."""
     from m2ops.kernels import launch_bwd
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
@@ -732,12 +735,20 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
-    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
+    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", walk == "apart")
+    override = {}
     if carry_block is not None:  # else launch_bwd.carry_block's choice
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
+        override["state_carry_grad"] = {"BLK": carry_block}
+    if walk == "read-ahead":  # (CHK as the launcher would choose it for the walk without gcarry)
+        override["state_passing_bwd"] = {"RA": True, "CHK": dstate == 20}
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", override)
     with emulated_launches() as launches:
         got = launch_bwd.fwd_pass_state_bwd(*args, states)
-    assert "state_carry_grad_kernel" in [name for name, _, _ in launches]
+    names = [name for name, _, _ in launches]
+    assert ("state_carry_grad_kernel" in names) == (walk == "apart")
+    # the walk's constants end its arguments: BLK, HAS_SEQ, GC, CHK, RA
+    (walk_args,) = [a for name, _, a in launches if name == "state_passing_bwd_kernel"]
+    assert walk_args[-3:] == (walk != "apart", dstate == 20, walk == "read-ahead")
     tol = BWD_TOL[dtype] * (2 if given_states else 1)  # bfloat16 entering states: one more rounding
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name

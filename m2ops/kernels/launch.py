@@ -43,7 +43,9 @@ from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_P
 from .compute_out import compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
-from .state_pass_bwd import chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel
+from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
+from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
+                             state_passing_bwd_kernel)
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .varlen_states import varlen_states_kernel
@@ -261,8 +263,13 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
 
 
 _KERNEL_OBJECTS = {
+    "chunk_cumsum": chunk_cumsum_kernel,
     "chunk_state": chunk_state_kernel,
+    "state_passing": state_passing_kernel,
+    "varlen_states": varlen_states_kernel,
+    "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
+    "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
     # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
@@ -273,6 +280,9 @@ _KERNEL_OBJECTS = {
     "out_bwd_dstates": out_bwd_dstates_kernel,
     "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
     "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
+    "chunk_cumsum_bwd": chunk_cumsum_bwd_kernel,
+    "state_passing_bwd": state_passing_bwd_kernel,
+    "state_carry_grad": state_carry_grad_kernel,
 }
 
 
@@ -543,7 +553,7 @@ def clear_plans() -> None:
 def _cumsum_plan(b, T, h, L, has_bias, dt_softplus, dt_min, dt_max, device) -> Step:
     n_hblocks = cdiv(h, TILE_H)
     k = chunk_cumsum_constants(L)
-    return _step((num_chunks(T, L) * n_hblocks, b, 1), chunk_cumsum_kernel,
+    return _step((num_chunks(T, L) * n_hblocks, b, 1), hinted_kernel("chunk_cumsum", "float32", L),
                  (T, n_hblocks, int(has_bias), int(bool(dt_softplus)), float(dt_min), float(dt_max),
                   k["L"], k["BH"]), device)
 
@@ -606,7 +616,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
     blk = state_block or forward_state_block()
     n_blocks = cdiv(p * n, blk)
     ks = state_passing_constants(blk, has_seq, separate, state_passing_checks(blk, p * n))
-    state_passing = _step((h * n_blocks, b, 1), state_passing_kernel,
+    state_passing = _step((h * n_blocks, b, 1), hinted_kernel("state_passing", "float32", L),
                           (T, nchunks, n_blocks, int(has_init), L, ks["BLK"], ks["HAS_SEQ"], ks["LAT"], ks["SEP"],
                            ks["CHK"]),
                           device)
@@ -647,7 +657,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
         nseq = cu_seqlens.shape[0] - 1
         n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
         kv = varlen_states_constants(L)
-        _launch((nseq, h, n_ptiles * n_ntiles), varlen_states_kernel,
+        _launch((nseq, h, n_ptiles * n_ntiles), hinted_kernel("varlen_states", _dtype_name(mma_dtype), L),
                 (xk, Bk, dtk, csk, states, _as(cu_seqlens, torch.int32), varlen,
                  h // g, n_ntiles, kv["L"], kv["BL"], kv["TP"], kv["TN"]))
     return states, final_states, varlen
@@ -690,7 +700,8 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block; compute_out reads
     # it for every head.
     kc = chunk_cb_constants(L, BL)
-    chunk_cb = _step((n_rblocks * (L // BL), g, b), chunk_cb_kernel, (n, kc["L"], kc["BL"], kc["TN"]), device)
+    chunk_cb = _step((n_rblocks * (L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
+                     (n, kc["L"], kc["BL"], kc["TN"]), device)
     n_ptiles = cdiv(p, TILE_P)
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
@@ -1159,7 +1170,7 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     new_state = torch.empty((b, h, p, n), dtype=state_k.dtype, device=dev)
     k = state_update_constants(state_update_tile_n(n))
     n_ptiles = cdiv(p, k["TP"])
-    _launch((h * n_ptiles, b, 1), state_update_kernel,
+    _launch((h * n_ptiles, b, 1), hinted_kernel("state_update", _dtype_name(act), 0),
             (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, new_state, y,
              h, h // g, n, n_ptiles, has_d, int(z is not None), int(dt_bias is not None),
              int(bool(dt_softplus)), float(dt_min), float(dt_max),

@@ -17,13 +17,10 @@ import torch
 from .. import envvars
 from ..meta.shapes import cb_shape, num_chunks
 from ..reference import chunked_backward as ref_bwd
-from .chunk_cb import chunk_cb_kernel
-from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .common import STATE_BLOCKS, TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
 from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, backward_walk_block,
                      chunk_cb_constants, compute_out, fwd_pass_state)
-from .state_pass_bwd import state_carry_grad_kernel, state_passing_bwd_kernel
 
 
 # The backward kernels launched through launch.hinted_kernel (ct.kernel hints from launch's table, keyed by
@@ -61,8 +58,13 @@ def carry_block(state_elems: int) -> int:
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True, check: bool = True) -> dict:
-    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed)."""
-    return dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
+    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed).
+    RA: the walk with gcarry reads chunk c - 1's inputs while it works on chunk c, each kept as loaded until its
+    step; an experiment, off (launch.CONSTANT_OVERRIDE sets it, with CHK; tests/gpu/backward_scan.py "walk
+    read-ahead")."""
+    k = dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check), RA=False)
+    k.update(launch.CONSTANT_OVERRIDE.get("state_passing_bwd", {}))
+    return k
 
 
 def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
@@ -86,7 +88,7 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
     A32 = _as(A, torch.float32)
     bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
     k = chunk_cumsum_bwd_constants(chunk_size)
-    launch._launch((nchunks * n_hblocks, b, 1), chunk_cumsum_bwd_kernel,
+    launch._launch((nchunks * n_hblocks, b, 1), launch.hinted_kernel("chunk_cumsum_bwd", "float32", chunk_size),
             (_as(g_dt_out, torch.float32), _as(g_dA_cumsum, torch.float32), _as(dt, dt.dtype), A32, bias,
              g_dt, g_A_part, g_bias_part,
              T, n_hblocks, int(dt_bias is not None), int(bool(dt_softplus)), float(dt_min), float(dt_max),
@@ -133,14 +135,14 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     # (the walk with gcarry loads bounds-checked whatever the block)
     ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not separate,
                                      check=not separate or launch.state_passing_checks(blk, pn))
-    launch._launch((h * n_blocks, b, 1), state_passing_bwd_kernel,
+    launch._launch((h * n_blocks, b, 1), launch.hinted_kernel("state_passing_bwd", "float32", L),
             (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
              _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
-             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"]))
+             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"], ks["RA"]))
     if not ks["GC"]:
         cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", carry_block(pn))
-        launch._launch((nchunks * h, b, 1), state_carry_grad_kernel,
+        launch._launch((nchunks * h, b, 1), launch.hinted_kernel("state_carry_grad", "float32", L),
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
                  cdiv(pn, cblk), cblk))
 
@@ -261,7 +263,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     # C . B^T per (chunk, group), as in the forward.
     cb = torch.empty(cb_shape(b, T, g, L), dtype=torch.float32, device=dev)
     kc = chunk_cb_constants(L)
-    launch._launch((n_rblocks * nb, g, b), chunk_cb_kernel, (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
+    launch._launch((n_rblocks * nb, g, b), launch.hinted_kernel("chunk_cb", launch._dtype_name(mma_dtype), L),
+                   (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
 
     # g_x, and per headdim tile dx_sums[0] = dt's gradient, dx_sums[1] = the column parts of dA_cumsum's
     # intra-chunk gradient (both zero past the last block the grid covers).

@@ -13,8 +13,8 @@ them) by symbol, largest first (torch profiler). Tuning is off (gpu_cases sets M
 with ct.kernel occupancy k (launch.HINT_OVERRIDE), each variant's gradients compared with the first run's,
 so that one run gives each kernel's time at each occupancy.
 
---variants a,b,...: the same again with each variant of VARIANTS (a launch_bwd switch set one way), gradients
-compared likewise.
+--variants a,b,...: the same again with each variant of VARIANTS (a launch_bwd switch set one way, or one kernel's
+occupancy hint), gradients compared likewise.
 """
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ VARIANTS = {
     "dcbw prefetch": ("DCBW_PREFETCH", True),
 }
 DEFAULTS = {"SEPARATE_CARRY_GRAD": None, "DCBW_PREFETCH": False}
+# state_passing_bwd's walk with gcarry reads the previous chunk's inputs ahead, kept as loaded (RA; loads unchecked:
+# the benchmark shapes' blocks divide the state), alone and with the walk's occupancy hint
+VARIANTS["walk read-ahead"] = ("CONST", {"state_passing_bwd": {"RA": True, "CHK": False}})
+# Occupancy hints of the kernels without a hint by default (tileiras 13.4's sm_90 builds give each 255 registers
+# per thread at 256 threads: one CTA per SM): a variant "<kernel> occ <k>" sets that kernel's hint alone
+# (launch.HINT_OVERRIDE), and "unhinted occ <k>" all of them.
+UNHINTED = ("state_passing_bwd", "state_carry_grad", "chunk_cumsum_bwd", "chunk_cb")
+for _occ in (2, 4, 8):
+    for _name in UNHINTED:
+        VARIANTS[f"{_name} occ {_occ}"] = ("HINT", {_name: {"occupancy": _occ}})
+    VARIANTS[f"unhinted occ {_occ}"] = ("HINT", {_name: {"occupancy": _occ} for _name in UNHINTED})
+VARIANTS["walk read-ahead occ 4"] = ("BOTH", {"state_passing_bwd": {"RA": True, "CHK": False}},
+                                     {"state_passing_bwd": {"occupancy": 4}})
 
 
 def device_times(fn, reps=5) -> dict:
@@ -74,7 +87,13 @@ def main():
             launch.HINT_OVERRIDE.clear()
             for switch, value in DEFAULTS.items():
                 setattr(launch_bwd, switch, value)
-            if isinstance(occ, str):
+            launch.CONSTANT_OVERRIDE.clear()
+            if isinstance(occ, str) and VARIANTS[occ][0] == "HINT":
+                launch.HINT_OVERRIDE.update(VARIANTS[occ][1])
+            elif isinstance(occ, str) and VARIANTS[occ][0] in ("CONST", "BOTH"):
+                launch.CONSTANT_OVERRIDE.update(VARIANTS[occ][1])
+                launch.HINT_OVERRIDE.update(VARIANTS[occ][2] if VARIANTS[occ][0] == "BOTH" else {})
+            elif isinstance(occ, str):
                 setattr(launch_bwd, *VARIANTS[occ])
             if isinstance(occ, int):
                 launch.HINT_OVERRIDE.update({name: {"occupancy": occ} for name in launch_bwd.HINTED})
@@ -96,6 +115,7 @@ def main():
                 print(f"    {ms:8.3f}  {name}", flush=True)
             print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
         launch.HINT_OVERRIDE.clear()
+        launch.CONSTANT_OVERRIDE.clear()
         for switch, value in DEFAULTS.items():
             setattr(launch_bwd, switch, value)
     if args.json:
