@@ -147,3 +147,16 @@ def test_planned_forward_allocates_three_times(recorded, monkeypatch):
     launch.planned_forward(*a)
     assert len(made) == 3 and [c[0] for c in recorded[-5:]] == [
         "chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel", "compute_out_kernel"]
+
+
+def test_hinted_kernel_keeps_the_table_choice_and_follows_an_override(monkeypatch):
+    """hinted_kernel gives the table's hinted object (one per key, kept), the override's while HINT_OVERRIDE is
+    set, and the table's again once it is cleared."""
+    table = launch.hinted_kernel("compute_out", "bfloat16", 256)
+    assert table is launch._hinted("compute_out", tuple(sorted(launch.kernel_hints("compute_out", "bfloat16",
+                                                                                   256).items())))
+    assert launch.hinted_kernel("chunk_cb", "bfloat16", 256) is launch._KERNEL_OBJECTS["chunk_cb"]  # no entry
+    monkeypatch.setitem(launch.HINT_OVERRIDE, "compute_out", {"occupancy": 2})
+    assert launch.hinted_kernel("compute_out", "bfloat16", 256) is launch._hinted("compute_out", (("occupancy", 2),))
+    monkeypatch.delitem(launch.HINT_OVERRIDE, "compute_out")
+    assert launch.hinted_kernel("compute_out", "bfloat16", 256) is table
