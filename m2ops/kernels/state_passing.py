@@ -44,25 +44,11 @@ _ZERO = ct.PaddingMode.ZERO
 
 
 def _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, LAT):
-    """Chunk c's state block widened to float32, its decay exp(cs_last) and, with seq_idx, whether the entering
-    state survives the chunk (as 1.0 / 0.0 folded into the decay). The backward's walk (state_pass_bwd.py)
-    reads the entering states this way; the forward walk takes _raw_chunk_inputs."""
-    local = ct.load(states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO,
-                    latency=LAT).reshape((BLK,)).astype(ct.float32)
-    return local, _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
-
-
-def _chunk_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ):
-    """exp(cs_last) of chunk c, 0.0 where the state entering it does not survive it (its last token is of
-    another sequence than the token before the chunk; sequence 0 owns initial_states)."""
-    carry = exp2(ct.load(dA_cumsum, (b, h, c, L - 1), shape=()) * LOG2E)
-    if HAS_SEQ:
-        start = c * L
-        seq_last = ct.load(seq_idx, (b, ct.minimum(start + L - 1, seqlen - 1)), shape=())
-        seq_prev = ct.load(seq_idx, (b, ct.maximum(start - 1, 0)), shape=())
-        seq_prev = ct.where(c == 0, 0, seq_prev)
-        carry = ct.where(seq_last == seq_prev, carry, 0.0)
-    return carry
+    """Chunk c's state block widened to float32 and its carry exp(cs_last) (0.0 where the entering state does not
+    survive the chunk: _raw_carry), both formed where loaded. The backward's walk with gcarry
+    (state_pass_bwd.py) reads the entering states this way; the forward walk takes _raw_chunk_inputs."""
+    local = state_block(states, b, c, h, blk, BLK, True, LAT).astype(ct.float32)
+    return local, exp2(_raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ) * LOG2E)
 
 
 def _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, LAT, CHK):
