@@ -105,15 +105,15 @@ VARIANTS = {
 # and its local-state loads bounds-checked where the block divides the state (CHK True: a zero-padded load),
 # on the defaults
 _DEFAULT_FLAGS = ("cb16", "states16", "local16")
+for _blk in (256, 512, 1024, 2048, 4096):
+    VARIANTS[f"sp blk{_blk}"] = ({}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
+    VARIANTS[f"sp blk{_blk} checked"] = ({"state_passing": {"CHK": True}}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
 # Occupancy hints of the forward kernels without a hint by default (tileiras 13.4's sm_90 builds: chunk_cb 255
 # registers at 256 threads and 161 KB of shared memory, one CTA per SM; chunk_cumsum at chunk 256 151 registers
 # at 128 threads)
 for _occ in (2, 4, 8):
     for _name in ("chunk_cb", "chunk_cumsum", "state_passing"):
-        VARIANTS[f"{_name} occ {_occ}"] = ({}, {_name: {"occupancy": _occ}}, True, "cb16", "states16", "local16")
-for _blk in (256, 512, 1024, 2048, 4096):
-    VARIANTS[f"sp blk{_blk}"] = ({}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
-    VARIANTS[f"sp blk{_blk} checked"] = ({"state_passing": {"CHK": True}}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
+        VARIANTS[f"{_name} occ {_occ}"] = ({}, {_name: {"occupancy": _occ}}, True, *_DEFAULT_FLAGS)
 
 
 @contextlib.contextmanager
