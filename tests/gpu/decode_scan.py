@@ -1,0 +1,80 @@
+"""The decode step (m2ops::state_update) at several batch sizes with and without an occupancy hint, as a script:
+
+    python tests/gpu/decode_scan.py [--batches 1,16,64,256] [--dstates 128,256] [--occupancy 0,2,4,8] [--json OUT]
+
+H=80, P=64, G=1, bfloat16 x/B/C/z, float32 dt, D, dt_bias and state (the layer's decode cache), dt_softplus.
+Each setting's call is captured in a CUDA graph and its replay timed by the benchmark's protocol
+(m2ops.bench.timing.median_ms: L2 flushed before each run, median of 100). Occupancy 0 is the launcher's
+table; k sets launch.HINT_OVERRIDE's state_update occupancy to k. y and the new state of every setting must
+match the table's to the bit (the hint changes the schedule, not the arithmetic); a row says when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+os.environ.setdefault("M2OPS_AUTOTUNE", "0")  # the table's hints, as the GPU tests run them
+
+from m2ops.bench.peers import _graphed  # noqa: E402
+from m2ops.bench.timing import median_ms  # noqa: E402
+from m2ops.kernels import launch  # noqa: E402
+from m2ops.ops.state_update import selective_state_update  # noqa: E402
+
+H, P, G = 80, 64, 1
+
+
+def _inputs(batch, n):
+    g = torch.Generator(device="cuda").manual_seed(batch * 1000 + n)
+    dev, bf = "cuda", torch.bfloat16
+
+    def r(*shape, dtype=bf):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dtype)
+    return dict(state=r(batch, H, P, n, dtype=torch.float32), x=r(batch, H, P), dt=r(batch, H, dtype=torch.float32),
+                A=-torch.rand(H, generator=g, device=dev), B=r(batch, G, n), C=r(batch, G, n),
+                D=r(H, dtype=torch.float32), z=r(batch, H, P), dt_bias=r(H, dtype=torch.float32), dt_softplus=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--dstates", default="128,256")
+    ap.add_argument("--occupancy", default="0,2,4,8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for n in map(int, args.dstates.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            inp = _inputs(batch, n)
+            base = None
+            for occ in map(int, args.occupancy.split(",")):
+                launch.HINT_OVERRIDE.clear()
+                if occ:
+                    launch.HINT_OVERRIDE["state_update"] = {"occupancy": occ}
+                out = []
+                row = dict(batch=batch, N=n, occupancy=occ or "table")
+                try:
+                    replay = _graphed(lambda: out.append(selective_state_update(**inp)))
+                    replay()
+                    torch.cuda.synchronize()
+                    row["ms"] = median_ms(replay, device="cuda")
+                except Exception as e:  # noqa: BLE001 - recorded, the other settings still run
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                else:
+                    res = tuple(t.clone() for t in out[-1])
+                    base = res if base is None else base
+                    row["same_bits"] = all(torch.equal(a, b) for a, b in zip(base, res))
+                finally:
+                    launch.HINT_OVERRIDE.clear()
+                print(row, flush=True)
+                rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
