@@ -54,6 +54,7 @@ class _Emu:
     int32, int64, int16, int8, bool_ = torch.int32, torch.int64, torch.int16, torch.int8, torch.bool
     tfloat32 = _TF32
     PaddingMode = real_ct.PaddingMode
+    RoundingMode = real_ct.RoundingMode
 
     def __init__(self):
         self.bids = (0, 0, 0)
@@ -132,6 +133,10 @@ class _Emu:
     @staticmethod
     def transpose(t, axis0=-2, axis1=-1):
         return t.transpose(axis0, axis1)
+
+    @staticmethod
+    def truediv(x, y, rounding_mode=None, flush_to_zero=False):
+        return x / y  # correctly rounded here; the GPU's approximate modes differ by an ulp or two
 
     @staticmethod
     def broadcast_to(t, shape):
