@@ -1,6 +1,6 @@
 """Every specialisation of every kernel that the launchers can launch, and a KernelSignature for each, so
-that they can be compiled ahead of time (tests/test_kernels_compile.py builds all of them for several GPU
-architectures without a GPU).
+that they can be compiled ahead of time without a GPU (tests/test_kernels_compile.py builds all of them for
+sm_90, and covering sets of them for other architectures).
 
 A specialisation is a kernel plus its compile-time constants and its array dtypes. The launchers convert
 inputs so that only these combinations occur: all activations in one dtype (float16, bfloat16 or float32),
