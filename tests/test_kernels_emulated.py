@@ -627,13 +627,35 @@ def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
                                case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", torch.bfloat16, "y")
     # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
-    # BL: chunk_cb's second-to-last argument, compute_out's sixth from the end
-    blocks = [(name, grid[0], a[-2] if name == "chunk_cb_kernel" else a[-6]) for name, grid, a in launches]
+    # BL: chunk_cb's second-to-last argument, compute_out's seventh from the end
+    blocks = [(name, grid[0], a[-2] if name == "chunk_cb_kernel" else a[-7]) for name, grid, a in launches]
     assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
     with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
         launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                            case["D"], case["z"], case["seq_idx"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_compute_out_in_one_loop(monkeypatch, dtype, seq_idx):
+    """compute_out with the state product's steps and the column walk in one loop (ONE, a tests/gpu/variants_scan.py
+    experiment): y as the default kernel's within rounding, at two dstate tiles (one partial) and up to three walk
+    steps, with seq_idx cutting the carry and both state products (bf16 and tf32)."""
+    case = make_case(dtype=dtype, device="cpu", chunk_size=256, batch=1, seqlen=700, nheads=2, ngroups=1,
+                     headdim=16, dstate=100, D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=29)
+    y_ref, _, _, mid = reference_forward(case)
+    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
+            case["seq_idx"])
+    with emulated_launches() as launches:
+        y_default = launch.compute_out(*args)
+    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"ONE": True}})
+    with emulated_launches() as launches:
+        y_one = launch.compute_out(*args)
+    assert [a[-1] for name, _, a in launches if name == "compute_out_kernel"] == [True]
+    _check(y_one, y_ref, "y", dtype, "y")
+    # the two forms differ only by where exp(cs_s) is applied: one more rounding of C (bfloat16, or tf32) at most
+    assert rel_err(y_one, y_default) <= (4e-3 if dtype == torch.bfloat16 else 2e-4)
 
 
 @pytest.mark.parametrize("dstate", [64, 128, 100])

@@ -316,7 +316,7 @@ def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dt
     (tests/gpu/variants_scan.py, T=16K N=128 / T=64K N=256, chunk 256): compute_out 0.598 -> 0.522 and
     3.053 -> 2.637 ms together with occupancy 4; y moved by 2e-4 relative."""
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check), SBF=dtype == "bfloat16")
+             CHK=bool(check), SBF=dtype == "bfloat16", ONE=False)  # ONE: an experiment (compute_out.py)
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
     return k
 
@@ -714,7 +714,7 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     n_ptiles = cdiv(p, TILE_P)
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
-                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
+                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"], k["ONE"]), device)
     return _OutPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)),
                     k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out)
 
