@@ -106,6 +106,16 @@ def covering(indices, order: int) -> list[int]:
     return sorted(chosen)
 
 
+def _wide():
+    from m2ops.kernels.specs import all_specs
+    return [i for i, s in enumerate(all_specs()) if not s.narrow]
+
+
+def _narrow():
+    from m2ops.kernels.specs import all_specs
+    return [i for i, s in enumerate(all_specs()) if s.narrow]
+
+
 def test_specialisations_are_enumerated():
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
@@ -124,7 +134,7 @@ def test_covering_sets_cover():
     """covering() leaves no value, or pair of values, of any kernel's features unbuilt."""
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
-    wide = [i for i, s in enumerate(specs) if not s.narrow]
+    wide = _wide()
     for order in (1, 2):
         chosen = covering(wide, order)
         assert len(chosen) < len(wide)
@@ -133,16 +143,6 @@ def test_covering_sets_cover():
                 return {c for i in idx if specs[i].kernel_name == name
                         for c in itertools.combinations(sorted(_features(specs[i])), order)}
             assert combos(chosen) == combos(wide), name
-
-
-def _wide():
-    from m2ops.kernels.specs import all_specs
-    return [i for i, s in enumerate(all_specs()) if not s.narrow]
-
-
-def _narrow():
-    from m2ops.kernels.specs import all_specs
-    return [i for i, s in enumerate(all_specs()) if s.narrow]
 
 
 def test_every_specialisation_compiles_for_sm_90():

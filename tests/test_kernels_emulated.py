@@ -647,7 +647,7 @@ def test_compute_out_in_one_loop(monkeypatch, dtype, seq_idx):
     y_ref, _, _, mid = reference_forward(case)
     args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
             case["seq_idx"])
-    with emulated_launches() as launches:
+    with emulated_kernels():
         y_default = launch.compute_out(*args)
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"ONE": True}})
     with emulated_launches() as launches:

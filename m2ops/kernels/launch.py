@@ -297,13 +297,15 @@ def hinted_kernel(kernel_name: str, dtype: str, chunk_size: int):
     """The kernel object a launcher launches: the table's hints, kept per key (launchers outside a plan, e.g.
     the decode step and the backward's, call this on every call), or HINT_OVERRIDE's while it is set."""
     if HINT_OVERRIDE:
-        return _hinted(kernel_name, tuple(sorted(kernel_hints(kernel_name, dtype, chunk_size).items())))
+        return _hinted_for(kernel_name, dtype, chunk_size)
     return _table_kernel(kernel_name, dtype, chunk_size)
 
 
-@functools.lru_cache(maxsize=None)
-def _table_kernel(kernel_name: str, dtype: str, chunk_size: int):
+def _hinted_for(kernel_name: str, dtype: str, chunk_size: int):
     return _hinted(kernel_name, tuple(sorted(kernel_hints(kernel_name, dtype, chunk_size).items())))
+
+
+_table_kernel = functools.lru_cache(maxsize=None)(_hinted_for)
 
 
 def varlen_states_constants(chunk_size: int) -> dict:
