@@ -627,35 +627,13 @@ def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
                                case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", torch.bfloat16, "y")
     # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
-    # BL: chunk_cb's second-to-last argument, compute_out's seventh from the end
-    blocks = [(name, grid[0], a[-2] if name == "chunk_cb_kernel" else a[-7]) for name, grid, a in launches]
+    # BL: chunk_cb's second-to-last argument, compute_out's sixth from the end
+    blocks = [(name, grid[0], a[-2] if name == "chunk_cb_kernel" else a[-6]) for name, grid, a in launches]
     assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
     with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
         launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                            case["D"], case["z"], case["seq_idx"])
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("seq_idx", [False, True])
-def test_compute_out_in_one_loop(monkeypatch, dtype, seq_idx):
-    """compute_out with the state product's steps and the column walk in one loop (ONE, a tests/gpu/variants_scan.py
-    experiment): y as the default kernel's within rounding, at two dstate tiles (one partial) and up to three walk
-    steps, with seq_idx cutting the carry and both state products (bf16 and tf32)."""
-    case = make_case(dtype=dtype, device="cpu", chunk_size=256, batch=1, seqlen=700, nheads=2, ngroups=1,
-                     headdim=16, dstate=100, D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=29)
-    y_ref, _, _, mid = reference_forward(case)
-    args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"], case["z"],
-            case["seq_idx"])
-    with emulated_kernels():
-        y_default = launch.compute_out(*args)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"ONE": True}})
-    with emulated_launches() as launches:
-        y_one = launch.compute_out(*args)
-    assert [a[-1] for name, _, a in launches if name == "compute_out_kernel"] == [True]
-    _check(y_one, y_ref, "y", dtype, "y")
-    # the two forms differ only by where exp(cs_s) is applied: one more rounding of C (bfloat16, or tf32) at most
-    assert rel_err(y_one, y_default) <= (4e-3 if dtype == torch.bfloat16 else 2e-4)
 
 
 @pytest.mark.parametrize("dstate", [64, 128, 100])
@@ -733,19 +711,16 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
-@pytest.mark.parametrize("walk,dtype,seq_idx,given_states,carry_block,dstate", [
-    ("apart", torch.bfloat16, True, True, 256, 32), ("apart", torch.float32, False, False, None, 32),
-    ("apart", torch.bfloat16, False, False, 1024, 32), ("apart", torch.bfloat16, True, True, None, 20),
-    ("read-ahead", torch.bfloat16, True, True, None, 32), ("read-ahead", torch.float32, False, False, None, 32),
-    ("read-ahead", torch.bfloat16, True, False, None, 20)])
-def test_state_carry_grad_apart_from_the_walk(monkeypatch, walk, dtype, seq_idx, given_states, carry_block, dstate):
-    """"apart": launch_bwd.SEPARATE_CARRY_GRAD forced on, so state_passing_bwd walks without gcarry and
-    state_carry_grad forms it afterwards; "read-ahead": gcarry in the walk, which reads the previous chunk's
-    inputs ahead (the RA constant, an experiment). Every gradient of fwd_pass_state_bwd matches the
-    reference's, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state
-    has 512 elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past
-    its end, and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block
-    is partial (checked loads)."""
+@pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block,dstate", [
+    (torch.bfloat16, True, True, 256, 32), (torch.float32, False, False, None, 32),
+    (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])
+def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block, dstate):
+    """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
+    forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
+    walk, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state has 512
+    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end,
+    and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block is
+    partial (checked loads)."""
     from m2ops.kernels import launch_bwd
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
@@ -757,20 +732,15 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, walk, dtype, seq_idx,
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
-    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", walk == "apart")
-    override = {}
+    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
     if carry_block is not None:  # else launch_bwd.carry_block's choice
-        override["state_carry_grad"] = {"BLK": carry_block}
-    if walk == "read-ahead":  # (CHK as the launcher would choose it for the walk without gcarry)
-        override["state_passing_bwd"] = {"RA": True, "CHK": dstate == 20}
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", override)
+        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
     with emulated_launches() as launches:
         got = launch_bwd.fwd_pass_state_bwd(*args, states)
-    names = [name for name, _, _ in launches]
-    assert ("state_carry_grad_kernel" in names) == (walk == "apart")
-    # the walk's constants end its arguments: BLK, HAS_SEQ, GC, CHK, RA
+    assert "state_carry_grad_kernel" in [name for name, _, _ in launches]
+    # the walk's constants end its arguments: BLK, HAS_SEQ, GC, CHK (unchecked where the block divides the state)
     (walk_args,) = [a for name, _, a in launches if name == "state_passing_bwd_kernel"]
-    assert walk_args[-3:] == (walk != "apart", dstate == 20, walk == "read-ahead")
+    assert walk_args[-2:] == (False, dstate == 20)
     tol = BWD_TOL[dtype] * (2 if given_states else 1)  # bfloat16 entering states: one more rounding
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name

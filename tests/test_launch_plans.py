@@ -155,7 +155,10 @@ def test_hinted_kernel_keeps_the_table_choice_and_follows_an_override(monkeypatc
     table = launch.hinted_kernel("compute_out", "bfloat16", 256)
     assert table is launch._hinted("compute_out", tuple(sorted(launch.kernel_hints("compute_out", "bfloat16",
                                                                                    256).items())))
-    assert launch.hinted_kernel("chunk_cb", "bfloat16", 256) is launch._KERNEL_OBJECTS["chunk_cb"]  # no entry
+    assert launch.hinted_kernel("chunk_cumsum", "float32", 256) is launch._KERNEL_OBJECTS["chunk_cumsum"]  # no entry
+    # an entry at every chunk size for 16-bit activations, none for float32 ones
+    assert launch.kernel_hints("chunk_cb", "float16", 32) == launch.kernel_hints("chunk_cb", "bfloat16", 256) != {}
+    assert launch.hinted_kernel("chunk_cb", "float32", 256) is launch._KERNEL_OBJECTS["chunk_cb"]
     monkeypatch.setitem(launch.HINT_OVERRIDE, "compute_out", {"occupancy": 2})
     assert launch.hinted_kernel("compute_out", "bfloat16", 256) is launch._hinted("compute_out", (("occupancy", 2),))
     monkeypatch.delitem(launch.HINT_OVERRIDE, "compute_out")

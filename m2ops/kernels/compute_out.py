@@ -32,7 +32,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, SBF: ConstBool, ONE: ConstBool):
+                       CHK: ConstBool, SBF: ConstBool):
     dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -69,41 +69,24 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
 
     acc = ct.zeros((BL, TP), dtype=ct.float32)
-    if ONE:
-        # Experiment (off): the state product's steps and the column walk's in one loop, so that the walk's tiles
-        # can be requested while the state product runs rather than after it frees its buffers (v21's ncu
-        # finding). exp(cs_s) is then a row scale of C, applied before the product instead of after it.
-        c_scale = exp2(csl_s) + ct.zeros((BL,), dtype=ct.float32)
-        if HAS_SEQ:
-            c_scale = ct.where(seq_i == seq_prev, c_scale, 0.0)
-        for s in range(n_ntiles + m):
-            if s < n_ntiles:
-                ci = load_tile(C, (b, rb, g, s), (1, BL, 1, TN), CHK).reshape((BL, TN))
-                st = load_tile(states, (b, c, h, pt, s), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
-                acc = _state_product(ci, st, c_scale, acc, mma_dtype, SBF)
-            else:
-                acc = _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt,
-                                 c * blocks_per_chunk + s - n_ntiles, s - n_ntiles, csl_s, mma_dtype,
-                                 BL, TP, HAS_SEQ, CHK)
-    else:
-        # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
-        for k in range(n_ntiles):
-            ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
-            st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
-            if SBF:
-                acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
-            else:
-                acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
-                             ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
-        if HAS_SEQ:
-            acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
+    # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
+    for k in range(n_ntiles):
+        ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
+        if SBF:
+            acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
         else:
-            acc = acc * exp2(csl_s)
+            acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
+                         ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
+    if HAS_SEQ:
+        acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
+    else:
+        acc = acc * exp2(csl_s)
 
-        # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
-        for jb in range(m):
-            acc = _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt,
-                             c * blocks_per_chunk + jb, jb, csl_s, mma_dtype, BL, TP, HAS_SEQ, CHK)
+    # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
+    for jb in range(m):
+        acc = _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt,
+                         c * blocks_per_chunk + jb, jb, csl_s, mma_dtype, BL, TP, HAS_SEQ, CHK)
     acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 
     # The diagonal block: causal mask (and same sequence), decay formed per element.
@@ -127,14 +110,6 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         zf = zi.astype(ct.float32)
         acc = acc * silu(zf)
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
-
-
-def _state_product(ci, st, c_scale, acc, mma_dtype, SBF):
-    """acc + (c_scale * C_i) . S^T: the inter-chunk term of one dstate tile, with C's rows scaled (ONE)."""
-    if SBF:
-        return ct.mma(scale_by(ci, c_scale[:, None]).astype(mma_dtype), ct.transpose(st.astype(mma_dtype)), acc)
-    return ct.mma((ci.astype(ct.float32) * c_scale[:, None]).astype(ct.tfloat32),
-                  ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
 
 
 def _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt, jrow, jb, csl_s, mma_dtype,

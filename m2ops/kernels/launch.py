@@ -211,6 +211,28 @@ _OCCUPANCY = {
     ("chunk_state_bwd_x", "bfloat16", 64): 4,
     ("chunk_state_bwd_b", "bfloat16", 64): 4,
 }
+# Hints at every chunk size, per (kernel, dtype class). Without a hint tileiras builds these at 255 registers and
+# 256 threads, one CTA per SM (docs/performance-log.md, "Kernels built without an occupancy hint"). From one sweep
+# on an H200 (B=1 H=80 P=64 bf16, chunk 256; tests/gpu/variants_scan.py, backward_scan.py, decode_scan.py;
+# kernel ms at T=64K, none -> chosen, other hints in parentheses):
+#   chunk_cb 0.154 -> 0.125 (N=64; occ 2: 0.135): the forward call 1.257 -> 1.229 ms (N=64), 1.506 -> 1.476 (N=128).
+#     float32 activations keep none: their build spills about 2,000 words a thread at occupancy 4.
+#   state_passing_bwd, the walk with gcarry: 0.616 -> 0.325 (N=128; occ 4: 0.415)
+#   state_carry_grad 0.280 -> 0.099 (N=64; occ 8: 0.182);  chunk_cumsum_bwd 0.095 -> 0.073 (occ 8 is ignored)
+#   state_update (decode, graph replay): 2.511 -> 0.686 ms at batch 256 N=256, 0.017 -> 0.010 at batch 1 N=256,
+#     occ 8 the fastest at every batch 1-256 and N 128/256 (occ 2 and 4 between)
+# Forward plus backward with the four backward hints: 7.922 -> 7.652 ms (64K/N=128), 6.444 -> 6.167 (64K/N=64).
+# Some of these builds spill a little (state_update up to 28 words a thread, chunk_cumsum_bwd at chunk 256 about
+# 115): faster all the same. chunk_cumsum (occ 4: 0.033 -> 0.038 ms; occ 8 slower still) and varlen_states (not
+# swept) keep none. The backward's kernels are keyed by "float32" whatever the activations (they read float32).
+_OCCUPANCY_ANY_CHUNK = {
+    ("chunk_cb", "16bit"): 4,
+    ("state_passing_bwd", "float32"): 8,
+    ("state_carry_grad", "float32"): 4,
+    ("chunk_cumsum_bwd", "float32"): 4,
+    ("state_update", "16bit"): 8,
+    ("state_update", "float32"): 8,
+}
 # kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
 HINT_OVERRIDE: dict = {}
 # kernel name -> constants that replace the launcher's (profiling experiments); empty in normal use.
@@ -258,7 +280,8 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
     if kernel_name in HINT_OVERRIDE:
         return dict(HINT_OVERRIDE[kernel_name])
     dclass = "16bit" if dtype in ("float16", "bfloat16") else dtype
-    occ = _OCCUPANCY.get((kernel_name, dtype, chunk_size), _OCCUPANCY.get((kernel_name, dclass, chunk_size)))
+    occ = _OCCUPANCY.get((kernel_name, dtype, chunk_size), _OCCUPANCY.get((kernel_name, dclass, chunk_size),
+                                                                        _OCCUPANCY_ANY_CHUNK.get((kernel_name, dclass))))
     return {} if occ is None else {"occupancy": occ}
 
 
@@ -318,7 +341,7 @@ def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dt
     (tests/gpu/variants_scan.py, T=16K N=128 / T=64K N=256, chunk 256): compute_out 0.598 -> 0.522 and
     3.053 -> 2.637 ms together with occupancy 4; y moved by 2e-4 relative."""
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check), SBF=dtype == "bfloat16", ONE=False)  # ONE: an experiment (compute_out.py)
+             CHK=bool(check), SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
     return k
 
@@ -716,7 +739,7 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     n_ptiles = cdiv(p, TILE_P)
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
-                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"], k["ONE"]), device)
+                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     return _OutPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)),
                     k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out)
 

@@ -58,11 +58,8 @@ def carry_block(state_elems: int) -> int:
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True, check: bool = True) -> dict:
-    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed).
-    RA: the walk with gcarry reads chunk c - 1's inputs while it works on chunk c, each kept as loaded until its
-    step; an experiment, off (launch.CONSTANT_OVERRIDE sets it, with CHK; tests/gpu/backward_scan.py "walk
-    read-ahead")."""
-    k = dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check), RA=False)
+    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed)."""
+    k = dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
     k.update(launch.CONSTANT_OVERRIDE.get("state_passing_bwd", {}))
     return k
 
@@ -139,7 +136,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
             (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
              _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
-             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"], ks["RA"]))
+             T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"]))
     if not ks["GC"]:
         cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", carry_block(pn))
         launch._launch((nchunks * h, b, 1), launch.hinted_kernel("state_carry_grad", "float32", L),

@@ -232,7 +232,7 @@ def all_specs() -> list[Spec]:
             cbd = launch.cb_dtype_name(dt)
             for cb_dtype in sorted({F32, cbd}):
                 out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt, cb_dtype=cb_dtype),
-                                dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
+                                _hints("chunk_cb", dt, L), dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
             for has_seq in (False, True):
                 for check in (True, False):
                     for sd in launch.entering_dtype_names(dt):
@@ -269,7 +269,7 @@ def all_specs() -> list[Spec]:
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
             out.append(Spec("chunk_cumsum_bwd", dt, launch_bwd.chunk_cumsum_bwd_constants(L),
-                            _params("chunk_cumsum_bwd", dt)))
+                            _params("chunk_cumsum_bwd", dt), _hints("chunk_cumsum_bwd", F32, L)))
         for L in sorted({min(L, 64) for L in CHUNK_SIZES}):  # one chunk size per token block
             for has_seq in (False, True):
                 gl = launch_bwd.g_local_dtype_name(dt)
@@ -302,14 +302,16 @@ def all_specs() -> list[Spec]:
         for sd, gl in pairs:
             extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
             out.append(Spec("state_carry_grad", F32, dict(BLK=blk),
-                            _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
+                            _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd),
+                            _hints("state_carry_grad", F32, 0), dtypes=extra))
             for has_seq in (False, True):
                 # with gcarry in the walk, and without it (launch_bwd.separate_carry_grad)
                 # (the walk without gcarry loads unchecked where the block divides the state)
                 for gc, chk in ((True, True), (False, True), (False, False)):
                     out.append(Spec("state_passing_bwd", F32,
                                     launch_bwd.state_passing_bwd_constants(blk, has_seq, gc, check=chk),
-                                    _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd), dtypes=extra))
+                                    _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd),
+                                    _hints("state_passing_bwd", F32, 0), dtypes=extra))
     # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
         for dt_dtype in launch.state_update_dtypes(dt):
@@ -317,7 +319,7 @@ def all_specs() -> list[Spec]:
                 for tn in launch.STATE_UPDATE_TILE_NS:
                     out.append(Spec("state_update", dt, launch.state_update_constants(tn),
                                     _params("state_update", dt, dt_dtype, state_dtype),
-                                    dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+                                    _hints("state_update", dt, 0), dtypes=(("dt", dt_dtype), ("state", state_dtype))))
     # Each with 64-bit-indexed arrays also as its 32-bit twin.
     out += [dataclasses.replace(s, narrow=True) for s in out if index_width.has_wide_arrays(s.kernel)]
     return out

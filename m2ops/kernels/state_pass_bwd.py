@@ -29,7 +29,7 @@ import cuda.tile as ct
 
 from .common import LOG2E, Big, ConstBool, ConstInt, exp2
 from .common import mma_operand as _op
-from .state_passing import _chunk_inputs, _raw_carry, _raw_chunk_inputs, state_block
+from .state_passing import _chunk_inputs, _raw_carry, state_block
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -38,7 +38,7 @@ _ZERO = ct.PaddingMode.ZERO
 def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum: Big, seq_idx: Big,
                              g_local: Big, g_carry_part: Big, g_init: Big,
                              seqlen: int, nchunks: int, n_blocks: int, L: int,
-                             BLK: ConstInt, HAS_SEQ: ConstBool, GC: ConstBool, CHK: ConstBool, RA: ConstBool):
+                             BLK: ConstInt, HAS_SEQ: ConstBool, GC: ConstBool, CHK: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
     blk = pid % n_blocks
@@ -64,24 +64,6 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
             ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
             g = gst + exp2(cs * LOG2E) * g
             cs, gst = cs_p, gst_p
-        ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
-        return
-    if RA:
-        # An experiment (launch_bwd.state_passing_bwd_constants, off): chunk c - 1's states, cs_last and g_states
-        # block read while chunk c is worked on, each kept as loaded until its step, as in the walk above.
-        c = nchunks - 1
-        s_c, cs = _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1, CHK)
-        gst = state_block(g_states, b, c, h, blk, BLK, CHK)
-        for i in range(nchunks):
-            c = nchunks - 1 - i
-            prv = ct.maximum(c - 1, 0)  # at c = 0 chunk 0 is read again, unused
-            s_p, cs_p = _raw_chunk_inputs(states, dA_cumsum, seq_idx, b, h, prv, blk, seqlen, L, BLK, HAS_SEQ, 1,
-                                          CHK)
-            gst_p = state_block(g_states, b, prv, h, blk, BLK, CHK)
-            ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
-            ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c.astype(ct.float32)).reshape((1, 1, 1, 1)))
-            g = gst + exp2(cs * LOG2E) * g
-            s_c, cs, gst = s_p, cs_p, gst_p
         ct.store(g_init, (b, h, blk), g.reshape((1, 1, BLK)))
         return
     for i in range(nchunks):

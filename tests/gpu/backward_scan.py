@@ -42,19 +42,18 @@ VARIANTS = {
     "dcbw prefetch": ("DCBW_PREFETCH", True),
 }
 DEFAULTS = {"SEPARATE_CARRY_GRAD": None, "DCBW_PREFETCH": False}
-# state_passing_bwd's walk with gcarry reads the previous chunk's inputs ahead, kept as loaded (RA; loads unchecked:
-# the benchmark shapes' blocks divide the state), alone and with the walk's occupancy hint
-VARIANTS["walk read-ahead"] = ("CONST", {"state_passing_bwd": {"RA": True, "CHK": False}})
-# Occupancy hints of the kernels without a hint by default (tileiras 13.4's sm_90 builds give each 255 registers
-# per thread at 256 threads: one CTA per SM): a variant "<kernel> occ <k>" sets that kernel's hint alone
-# (launch.HINT_OVERRIDE), and "unhinted occ <k>" all of them.
-UNHINTED = ("state_passing_bwd", "state_carry_grad", "chunk_cumsum_bwd", "chunk_cb")
+# Occupancy hints of the kernels whose hint one sweep chose (launch._OCCUPANCY_ANY_CHUNK; without one tileiras
+# 13.4's sm_90 builds take 255 registers per thread at 256 threads: one CTA per SM): "<kernel> occ <k>" sets
+# that kernel's hint alone (launch.HINT_OVERRIDE), "<kernel> no occ" removes it, "swept occ <k>" and "swept no
+# occ" do so for all of them.
+SWEPT = ("state_passing_bwd", "state_carry_grad", "chunk_cumsum_bwd", "chunk_cb")
 for _occ in (2, 4, 8):
-    for _name in UNHINTED:
+    for _name in SWEPT:
         VARIANTS[f"{_name} occ {_occ}"] = ("HINT", {_name: {"occupancy": _occ}})
-    VARIANTS[f"unhinted occ {_occ}"] = ("HINT", {_name: {"occupancy": _occ} for _name in UNHINTED})
-VARIANTS["walk read-ahead occ 4"] = ("BOTH", {"state_passing_bwd": {"RA": True, "CHK": False}},
-                                     {"state_passing_bwd": {"occupancy": 4}})
+    VARIANTS[f"swept occ {_occ}"] = ("HINT", {_name: {"occupancy": _occ} for _name in SWEPT})
+for _name in SWEPT:
+    VARIANTS[f"{_name} no occ"] = ("HINT", {_name: {}})
+VARIANTS["swept no occ"] = ("HINT", {_name: {} for _name in SWEPT})
 
 
 def device_times(fn, reps=5) -> dict:

@@ -7,7 +7,7 @@
 # backward_profile (tests/gpu/backward_scan.py: the backward's time by kernel), host (tests/gpu/plan_cost.py --ladder:
 # an eager forward's host time, step by step), and the sweeps of docs/validation.md's next GPU run: decode
 # (tests/gpu/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep (graph_scan.py at 1K), backward_sweep
-# (backward_scan.py): occupancy hints of the kernels built without one, and compute_out's ONE experiment.
+# (backward_scan.py): the occupancy hints of launch._OCCUPANCY_ANY_CHUNK against none and against occupancy 8.
 # LIMIT_<step>=seconds overrides a step's time limit.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -47,12 +47,12 @@ for s in "${steps[@]}"; do
     host) run host 120 python tests/gpu/plan_cost.py --shapes 4K:64,1K:64 --ladder 7 ;;
     decode) run decode 150 python tests/gpu/decode_scan.py --json "$OUT/decode.json" ;;
     forward_sweep) run forward_sweep 300 python tests/gpu/variants_scan.py --shapes 64K:64,16K:128,64K:128,4K:64 \
-        --variants "defaults,chunk_cb occ 2,chunk_cb occ 4,chunk_cumsum occ 4,chunk_cumsum occ 8,out one loop,defaults" \
+        --variants "defaults,chunk_cb no occ,chunk_cb occ 8,defaults" \
         --json "$OUT/forward_sweep.json" ;;
     graph_sweep) run graph_sweep 180 python tests/gpu/graph_scan.py --shapes 1K:64,1K:256,1K:512 \
-        --variants "defaults,chunk_cb occ 4,chunk_cumsum occ 8,out one loop" --json "$OUT/graph_sweep.json" ;;
+        --variants "defaults,chunk_cb no occ" --json "$OUT/graph_sweep.json" ;;
     backward_sweep) run backward_sweep 300 python tests/gpu/backward_scan.py --shapes 64K:128,16K:128,64K:64 \
-        --variants "state_passing_bwd occ 4,state_passing_bwd occ 8,state_carry_grad occ 4,state_carry_grad occ 8,chunk_cumsum_bwd occ 4,chunk_cb occ 4,unhinted occ 4,walk read-ahead,walk read-ahead occ 4" \
+        --variants "swept no occ,state_carry_grad occ 8,chunk_cumsum_bwd occ 2,chunk_cb occ 8" \
         --json "$OUT/backward_sweep.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

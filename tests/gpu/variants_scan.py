@@ -101,9 +101,6 @@ VARIANTS = {
     "state HB1": ({"chunk_state": {"HB": 1}}, {}, True, "cb16", "states16", "local16"),
     "state HB1 TN64": ({"chunk_state": {"HB": 1, "TN": 64}}, {}, True, "cb16", "states16", "local16"),
 }
-# compute_out with the state product's steps and the column walk in one loop (ONE): tileiras 13.4's sm_90 build has
-# the same 64 registers and 52.6 KB of shared memory as the defaults, 4,608 SASS instructions against 4,560
-VARIANTS["out one loop"] = ({"compute_out": {"ONE": True}}, {}, True, "cb16", "states16", "local16")
 # state_passing's block ("sblk<n>": STATE_BLOCK_OVERRIDE, 256 included, which the compile list does not hold),
 # and its local-state loads bounds-checked where the block divides the state (CHK True: a zero-padded load),
 # on the defaults
@@ -111,12 +108,13 @@ _DEFAULT_FLAGS = ("cb16", "states16", "local16")
 for _blk in (256, 512, 1024, 2048, 4096):
     VARIANTS[f"sp blk{_blk}"] = ({}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
     VARIANTS[f"sp blk{_blk} checked"] = ({"state_passing": {"CHK": True}}, {}, True, *_DEFAULT_FLAGS, f"sblk{_blk}")
-# Occupancy hints of the forward kernels without a hint by default (tileiras 13.4's sm_90 builds: chunk_cb 255
-# registers at 256 threads and 161 KB of shared memory, one CTA per SM; chunk_cumsum at chunk 256 151 registers
-# at 128 threads)
-for _occ in (2, 4, 8):
-    for _name in ("chunk_cb", "chunk_cumsum", "state_passing"):
+# Occupancy hints of chunk_cb (4 by default since one sweep: without one tileiras 13.4's sm_90 build takes 255
+# registers at 256 threads and 161 KB of shared memory, one CTA per SM), chunk_cumsum (none: 151 registers at 128
+# threads at chunk 256) and state_passing (none); "<kernel> no occ" removes the table's hint
+for _name in ("chunk_cb", "chunk_cumsum", "state_passing"):
+    for _occ in (2, 4, 8):
         VARIANTS[f"{_name} occ {_occ}"] = ({}, {_name: {"occupancy": _occ}}, True, *_DEFAULT_FLAGS)
+    VARIANTS[f"{_name} no occ"] = ({}, {_name: {}}, True, *_DEFAULT_FLAGS)
 
 
 @contextlib.contextmanager
