@@ -219,19 +219,20 @@ _OCCUPANCY = {
 #     float32 activations keep none: their build spills about 2,000 words a thread at occupancy 4.
 #   state_passing_bwd, the walk with gcarry: 0.616 -> 0.325 (N=128; occ 4: 0.415)
 #   state_carry_grad 0.280 -> 0.099 (N=64; occ 8: 0.182);  chunk_cumsum_bwd 0.095 -> 0.073 (occ 8 is ignored)
-#   state_update (decode, graph replay): 2.511 -> 0.686 ms at batch 256 N=256, 0.017 -> 0.010 at batch 1 N=256,
-#     occ 8 the fastest at every batch 1-256 and N 128/256 (occ 2 and 4 between)
-# Forward plus backward with the four backward hints: 7.922 -> 7.652 ms (64K/N=128), 6.444 -> 6.167 (64K/N=64).
-# Some of these builds spill a little (state_update up to 28 words a thread, chunk_cumsum_bwd at chunk 256 about
-# 115): faster all the same. chunk_cumsum (occ 4: 0.033 -> 0.038 ms; occ 8 slower still) and varlen_states (not
-# swept) keep none. The backward's kernels are keyed by "float32" whatever the activations (they read float32).
+# Forward plus backward, these hints against none (a second run): 7.922 -> 7.550 ms (64K/N=128), 2.188 -> 2.097
+# (16K/N=128), 6.448 -> 6.199 (64K/N=64).
+# Some of these builds spill a little (chunk_cumsum_bwd at chunk 256 about 115 words a thread): faster all the
+# same. chunk_cumsum (occ 4: 0.033 -> 0.038 ms; occ 8 slower still) and varlen_states (not swept) keep none.
+# state_update keeps none although occupancy 8 made the decode step 1.7-3.7x faster (2.511 -> 0.686 ms at batch
+# 256 N=256): with occupancy 4 or 8 it gave wrong outputs at headdim 50, dstate 100 with a bfloat16 state (rows
+# left unwritten at 8, values of order 1e35 at 4; right at 2 and without a hint; tests/gpu/
+# test_state_update_kernel.py, docs/performance-log.md v26). Not understood yet.
+# The backward's kernels are keyed by "float32" whatever the activations (they read float32).
 _OCCUPANCY_ANY_CHUNK = {
     ("chunk_cb", "16bit"): 4,
     ("state_passing_bwd", "float32"): 8,
     ("state_carry_grad", "float32"): 4,
     ("chunk_cumsum_bwd", "float32"): 4,
-    ("state_update", "16bit"): 8,
-    ("state_update", "float32"): 8,
 }
 # kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
 HINT_OVERRIDE: dict = {}

@@ -7,6 +7,11 @@ Each setting's call is captured in a CUDA graph and its replay timed by the benc
 (m2ops.bench.timing.median_ms: L2 flushed before each run, median of 100). Occupancy 0 is the launcher's
 table; k sets launch.HINT_OVERRIDE's state_update occupancy to k. y and the new state of every setting must
 match the table's to the bit (the hint changes the schedule, not the arithmetic); a row says when not.
+
+Then each occupancy runs the example of tests/gpu/test_state_update_kernel.py that occupancy 4 and 8 got wrong
+on the H200 (seventeenth session: batch 3, 8 heads, headdim 50, dstate 100, bfloat16 state and D per channel),
+against the reference: a row with its relative errors and the count of outputs left unwritten (NaN: the
+allocator is poisoned). A hint is fit for launch's table only where that row is right too.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+import sys
 
 import torch
 
@@ -25,6 +32,30 @@ from m2ops.kernels import launch  # noqa: E402
 from m2ops.ops.state_update import selective_state_update  # noqa: E402
 
 H, P, G = 80, 64, 1
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ODD_CASE = dict(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=50, dstate=100, state_dtype=torch.bfloat16,
+                param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False, dt_limit=(0.002, 0.3), D="hp", seed=4162)
+
+
+def odd_case_row(occ):
+    """The failing test example at occupancy occ (0: the table's): relative errors and unwritten outputs."""
+    import test_state_update_kernel as tsu
+    from gpu_cases import poison_allocator, rel_err
+
+    from m2ops.reference import state_update as ref
+    kw = tsu.make_inputs(**ODD_CASE)
+    ey, enew = ref.state_update(**tsu._cpu(kw))
+    launch.HINT_OVERRIDE.clear()
+    if occ:
+        launch.HINT_OVERRIDE["state_update"] = {"occupancy": occ}
+    try:
+        poison_allocator()
+        y, new = launch.state_update(**kw)
+        torch.cuda.synchronize()
+    finally:
+        launch.HINT_OVERRIDE.clear()
+    return dict(case="odd", occupancy=occ or "table", err_y=rel_err(y, ey), err_state=rel_err(new, enew),
+                unwritten=int(y.isnan().sum() + new.isnan().sum()))
 
 
 def _inputs(batch, n):
@@ -71,6 +102,10 @@ def main():
                     launch.HINT_OVERRIDE.clear()
                 print(row, flush=True)
                 rows.append(row)
+    for occ in map(int, args.occupancy.split(",")):
+        row = odd_case_row(occ)
+        print(row, flush=True)
+        rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
