@@ -221,3 +221,25 @@ def test_default_over_tuned_prefers_the_cuda_graph_pair():
     assert table[2].split(" | ")[col] == "1.10"
     eager = markdown(results[:2], ["m2ops", "m2ops-default"]).splitlines()
     assert eager[2].split(" | ")[eager[0].split(" | ").index("default / tuned")] == "2.00"
+
+
+def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
+    """m2ops_choice names the tuning cache's chunk_scan entry for the point's shape (else "default") and whether an
+    eager call took a plan: what a result row needs to tell a host-bound eager time from a slow kernel."""
+    from m2ops.bench.peers import m2ops_choice, make_inputs
+    from m2ops.kernels import autotune, launch
+    monkeypatch.setenv("M2OPS_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(launch, "CALL_PLANS", {})
+    autotune.forget()
+    inp = make_inputs(Shape(seqlen=64, dstate=8, nheads=2, headdim=4, ngroups=1, dtype="float32"), "cpu")
+    assert m2ops_choice(inp, 32) == {"m2ops_config": "default", "m2ops_planned": False}
+    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(inp["x"], 32, inp["B"], None, inp["D"], None))
+    other = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(inp["x"], 64, inp["B"], None, inp["D"], None))
+    sub = {"path": "split", "state_block": 512, "chunk": 16}
+    (tmp_path / "tuning.json").write_text(json.dumps({key: {"config": sub, "ms": 0.1},
+                                                       other: {"config": {"path": "fused"}, "ms": 0.1}}))
+    autotune.forget()
+    assert m2ops_choice(inp, 32)["m2ops_config"] == sub
+    monkeypatch.setattr(launch, "CALL_PLANS", {"k": launch.ForwardPlan(None, {}, False, None, (), None, None, object())})
+    assert m2ops_choice(inp, 32)["m2ops_planned"] is True
+    autotune.forget()

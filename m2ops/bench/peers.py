@@ -90,6 +90,19 @@ def _forward(peer, inputs, chunk_size):
     raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
 
 
+def m2ops_choice(inputs: dict, chunk_size: int) -> dict:
+    """What an m2ops peer ran its forward with, read after its calls: chunk_scan's configuration (the tuning
+    cache's entry for this shape, else "default") and whether the eager forward took a plan (launch.forward_plan:
+    a configuration the plan cannot run, e.g. sub-chunks, sends each call through the launchers instead)."""
+    from m2ops.kernels import autotune, launch
+    x, B, D = inputs["x"], inputs["B"], inputs["D"]
+    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(x, chunk_size, B, None, D, None),
+                            x.device.index or 0)
+    found = autotune.lookup(key)
+    planned = any(fp.out is not None for fp in launch.CALL_PLANS.values())
+    return {"m2ops_config": found if found is not None else "default", "m2ops_planned": planned}
+
+
 def _graphed(fn):
     """Capture fn in a CUDA graph (after a warm-up on a side stream) and return its replay."""
     s = torch.cuda.Stream()

@@ -35,6 +35,9 @@ def run(job: dict) -> dict:
     setup_s = time.perf_counter() - t0
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
     out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
+    if job["peer"].startswith("m2ops") and device.type == "cuda" and not job.get("backward"):
+        from .peers import m2ops_choice
+        out.update(m2ops_choice(inputs, job["chunk_size"]))
     if job.get("kernels"):  # after the timed runs, so the profiler does not touch them
         from .kernels import kernel_times
         out["kernel_ms"] = kernel_times(fn, device)
