@@ -916,8 +916,8 @@ def test_planned_forward_leaves_other_calls_to_the_launchers(monkeypatch):
 
 def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
     """On a tuned call a plan follows chunk_scan's entry in the tuning cache: none while a search may still run,
-    the stored configuration once there is one, a new plan when the entry changes, and the launchers when the
-    entry is the fused path. With tuning off and no entry, the plan is made on the default and dropped when
+    the stored configuration once there is one (sub-chunks included), a new plan when the entry changes, and the
+    launchers when the entry is the fused path. With tuning off and no entry, the plan is made on the default and dropped when
     tuning is turned on."""
     from m2ops.kernels import autotune
     path = tmp_path / "tuning.json"
@@ -949,6 +949,16 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y2, fin2 = launch.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 1024}
             assert torch.equal(y, y2) and torch.equal(fin, fin2)  # the block only splits the same work
+            # a sub-chunk configuration: planned (chunk_cumsum at 64, rechunked, the rest at 32), with the bits
+            # of the launchers under the same entry
+            store({"path": "split", "state_block": 512, "chunk": 32})
+            y3, fin3 = launch.planned_forward(*a)
+            assert plan_config() == {"path": "split", "state_block": 512, "chunk": 32}
+            (fp,) = launch._FORWARD_PLANS.values()
+            assert fp.sub_chunk == 32 and fp.states.states_shape[1] == launch.num_chunks(200, 32)
+            y4, fin4 = _launchers_forward(case)
+            assert torch.equal(y3, y4) and torch.equal(fin3, fin4)
+            assert rel_err(y3, y) <= 2e-2 and rel_err(fin3, fin) <= 2e-2  # another chunking: rounding apart
             store({"path": "fused", "ppsm": 4})
             assert launch.planned_forward(*a) is None and plan_config() is None
             path.unlink()

@@ -1063,14 +1063,16 @@ class ForwardPlan(NamedTuple):
     scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
     scratch_bytes: int = 0
     go: object = None     # _Resolved
+    sub_chunk: int = 0    # a sub-chunk configuration's chunk (states and out planned at it), else 0
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
     """The ForwardPlan of a forward without seq_idx on these inputs (validated, contiguous), or None for now: a
     profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
     A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
-    after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path or
-    sub-chunks as the configuration."""
+    after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as the
+    configuration. A sub-chunk configuration is planned as chunk_scan runs it: chunk_cumsum at the caller's chunk
+    size, `rechunk` (a few PyTorch operations), then the states and y at the sub-chunk size."""
     if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     b, T, h, p = x.shape
@@ -1089,14 +1091,15 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
         if found is None and autotune.enabled():
             return None  # the launchers' path may search now
         config, from_default = (default, True) if found is None else (found, False)
-    if config["path"] != "split" or config.get("chunk", L) != L:
+    sub = config.get("chunk", L)
+    if config["path"] != "split" or sub > L or L % sub:
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
     entering = _scan_entering_dtype(x.dtype)
-    states = _state_plan(b, T, h, p, g, n, L, dname, False, initial_states is not None, config.get("state_block"),
+    states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None, config.get("state_block"),
                          entering is not None, entering, dev)
     _, has_d = _d_arg(D, x)
-    out = _out_plan(b, T, h, p, g, n, L, dname, False, entering if entering is not None else states.local_dtype,
+    out = _out_plan(b, T, h, p, g, n, sub, dname, False, entering if entering is not None else states.local_dtype,
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
@@ -1107,7 +1110,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                                       (entering, states.states_shape) if states.separate else None,
                                       (out.cb_dtype, out.cb_shape)))
     return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, states, entering, out, layout, nbytes,
-                       _Resolved())
+                       _Resolved(), sub if sub != L else 0)
 
 
 def forward_plan_current(fp: ForwardPlan) -> bool:
@@ -1165,10 +1168,13 @@ CALL_PLANS: dict = {}
 
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
-    same launches, buffers and bits as the launchers give."""
+    same launches, buffers and bits as the launchers give (with a sub-chunk configuration, the same rechunk
+    between them)."""
     dt_out, dA_cumsum, local, entering, cb = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
     go = fp.go
     _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
+    if fp.sub_chunk:
+        dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, fp.sub_chunk, x.shape[1])
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
                                        (local, entering), go)
