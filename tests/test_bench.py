@@ -228,6 +228,7 @@ def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
     eager call took a plan: what a result row needs to tell a host-bound eager time from a slow kernel."""
     from m2ops.bench.peers import m2ops_choice, make_inputs
     from m2ops.kernels import autotune, launch
+    from m2ops.ops import eager
     monkeypatch.setenv("M2OPS_TUNING_CACHE", str(tmp_path / "tuning.json"))
     monkeypatch.setattr(launch, "CALL_PLANS", {})
     autotune.forget()
@@ -240,6 +241,15 @@ def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
                                                        other: {"config": {"path": "fused"}, "ms": 0.1}}))
     autotune.forget()
     assert m2ops_choice(inp, 32)["m2ops_config"] == sub
-    monkeypatch.setattr(launch, "CALL_PLANS", {"k": launch.ForwardPlan(None, {}, False, None, (), None, None, object())})
+    # planned: a plan is kept under the key of this point's call (the bench's call, defaults spelled out), not
+    # merely under another point's
+    plan = launch.ForwardPlan(None, {}, False, None, (), None, None, object())
+    monkeypatch.setattr(launch, "CALL_PLANS", {"another point": plan})
+    assert m2ops_choice(inp, 32)["m2ops_planned"] is False
+    x, dt, A, B, C, D, init = (inp[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_states"))
+    key32 = eager.call_key(x, dt, A, B, C, 32, D, None, None, init, None, None, False, (0.0, float("inf")), True,
+                           False, first=True)
+    launch.CALL_PLANS[key32] = plan
     assert m2ops_choice(inp, 32)["m2ops_planned"] is True
+    assert m2ops_choice(inp, 64)["m2ops_planned"] is False
     autotune.forget()

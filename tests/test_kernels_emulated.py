@@ -917,8 +917,8 @@ def test_planned_forward_leaves_other_calls_to_the_launchers(monkeypatch):
 def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
     """On a tuned call a plan follows chunk_scan's entry in the tuning cache: none while a search may still run,
     the stored configuration once there is one (sub-chunks included), a new plan when the entry changes, and the
-    launchers when the entry is the fused path. With tuning off and no entry, the plan is made on the default and dropped when
-    tuning is turned on."""
+    launchers when the entry is the fused path. With tuning off and no entry, the plan is made on the default and
+    dropped when tuning is turned on."""
     from m2ops.kernels import autotune
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("M2OPS_TUNING_CACHE", str(path))

@@ -91,16 +91,22 @@ def _forward(peer, inputs, chunk_size):
 
 
 def m2ops_choice(inputs: dict, chunk_size: int) -> dict:
-    """What an m2ops peer ran its forward with, read after its calls: chunk_scan's configuration (the tuning
-    cache's entry for this shape, else "default") and whether the eager forward took a plan (launch.forward_plan:
-    a configuration the plan cannot run, e.g. sub-chunks, sends each call through the launchers instead)."""
+    """What an m2ops peer ran this point's forward with, read after its calls: chunk_scan's configuration (the
+    tuning cache's entry for this shape, else "default") and whether its eager calls took a plan (launch.CALL_PLANS
+    holds one under the key of _forward's call; a worker serves several points, so other points' plans are there
+    too)."""
     from m2ops.kernels import autotune, launch
-    x, B, D = inputs["x"], inputs["B"], inputs["D"]
+    from m2ops.ops import eager
+    x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
     key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(x, chunk_size, B, None, D, None),
                             x.device.index or 0)
     found = autotune.lookup(key)
-    planned = any(fp.out is not None for fp in launch.CALL_PLANS.values())
-    return {"m2ops_config": found if found is not None else "default", "m2ops_planned": planned}
+    # _forward's call with mamba_chunk_scan_combined's defaults spelled out (first: the key whether or not any
+    # plan is kept yet)
+    call = eager.call_key(x, dt, A, B, C, chunk_size, D, None, None, init, None, None, False, (0.0, float("inf")),
+                          True, False, first=True)
+    return {"m2ops_config": found if found is not None else "default",
+            "m2ops_planned": call is not None and call in launch.CALL_PLANS}
 
 
 def _graphed(fn):

@@ -57,7 +57,6 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
-    seq_i = dt_i  # stands in where HAS_SEQ is off (unused then)
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
@@ -68,8 +67,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
 
-    acc = ct.zeros((BL, TP), dtype=ct.float32)
     # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
+    acc = ct.zeros((BL, TP), dtype=ct.float32)
     for k in range(n_ntiles):
         ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
         st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
@@ -85,8 +84,17 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
 
     # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
     for jb in range(m):
-        acc = _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt,
-                         c * blocks_per_chunk + jb, jb, csl_s, mma_dtype, BL, TP, HAS_SEQ, CHK)
+        jrow = c * blocks_per_chunk + jb
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((BL, BL))
+        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
+        if HAS_SEQ:
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
+        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
     acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
 
     # The diagonal block: causal mask (and same sequence), decay formed per element.
@@ -110,18 +118,3 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         zf = zi.astype(ct.float32)
         acc = acc * silu(zf)
     ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
-
-
-def _walk_step(cb, dA_cumsum, dt_out, x, seq_idx, seq_i, acc, b, c, g, h, m, pt, jrow, jb, csl_s, mma_dtype,
-               BL, TP, HAS_SEQ, CHK):
-    """acc + (CB_mj * exp(cs_s - cs_j) * dt_j, masked to the row's sequence) . x_j: one step of the column walk
-    (column block jb < m, below the diagonal)."""
-    cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-    cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
-    if HAS_SEQ:
-        seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
-        wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
-    xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    return ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)

@@ -86,12 +86,8 @@ def main():
             launch.HINT_OVERRIDE.clear()
             for switch, value in DEFAULTS.items():
                 setattr(launch_bwd, switch, value)
-            launch.CONSTANT_OVERRIDE.clear()
             if isinstance(occ, str) and VARIANTS[occ][0] == "HINT":
                 launch.HINT_OVERRIDE.update(VARIANTS[occ][1])
-            elif isinstance(occ, str) and VARIANTS[occ][0] in ("CONST", "BOTH"):
-                launch.CONSTANT_OVERRIDE.update(VARIANTS[occ][1])
-                launch.HINT_OVERRIDE.update(VARIANTS[occ][2] if VARIANTS[occ][0] == "BOTH" else {})
             elif isinstance(occ, str):
                 setattr(launch_bwd, *VARIANTS[occ])
             if isinstance(occ, int):
@@ -114,7 +110,6 @@ def main():
                 print(f"    {ms:8.3f}  {name}", flush=True)
             print(f"    {sum(r['kernels'].values()):8.3f}  (all kernels)", flush=True)
         launch.HINT_OVERRIDE.clear()
-        launch.CONSTANT_OVERRIDE.clear()
         for switch, value in DEFAULTS.items():
             setattr(launch_bwd, switch, value)
     if args.json:
