@@ -226,13 +226,16 @@ _OCCUPANCY = {
 # state_update keeps none although occupancy 8 made the decode step 1.7-3.7x faster (2.511 -> 0.686 ms at batch
 # 256 N=256): with occupancy 4 or 8 it gave wrong outputs at headdim 50, dstate 100 with a bfloat16 state (rows
 # left unwritten at 8, values of order 1e35 at 4; right at 2 and without a hint; tests/gpu/
-# test_state_update_kernel.py, docs/performance-log.md v26). Not understood yet.
+# test_state_update_kernel.py, docs/performance-log.md v26). Not understood yet. Occupancy 2 (on trial): 1.3-1.8x
+# (1.200 -> 0.675 ms at batch 256 N=128) and right on that example.
 # The backward's kernels are keyed by "float32" whatever the activations (they read float32).
 _OCCUPANCY_ANY_CHUNK = {
     ("chunk_cb", "16bit"): 4,
     ("state_passing_bwd", "float32"): 8,
     ("state_carry_grad", "float32"): 4,
     ("chunk_cumsum_bwd", "float32"): 4,
+    ("state_update", "16bit"): 2,
+    ("state_update", "float32"): 2,
 }
 # kernel name -> hints dict that replaces the table's choice (profiling sweeps); empty in normal use.
 HINT_OVERRIDE: dict = {}

@@ -1,6 +1,7 @@
 """The decode step (m2ops::state_update) at several batch sizes with and without an occupancy hint, as a script:
 
-    python tests/gpu/decode_scan.py [--batches 1,16,64,256] [--dstates 128,256] [--occupancy 0,2,4,8] [--json OUT]
+    python tests/gpu/decode_scan.py [--batches 1,16,64,256] [--dstates 128,256] [--occupancy 0,2,4,8] [--odd-grid]
+                                    [--json OUT]
 
 H=80, P=64, G=1, bfloat16 x/B/C/z, float32 dt, D, dt_bias and state (the layer's decode cache), dt_softplus.
 Each setting's call is captured in a CUDA graph and its replay timed by the benchmark's protocol
@@ -36,13 +37,21 @@ ODD_CASE = dict(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=50, 
                 param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False, dt_limit=(0.002, 0.3), D="hp", seed=4162)
 
 
-def odd_case_row(occ):
-    """The failing test example at occupancy occ (0: the table's): relative errors and unwritten outputs."""
+# Around the odd case: which of its unusual properties (headdim 50: a partial last row tile; dstate 100: 200-byte
+# rows of a bfloat16 state, not a multiple of 16 bytes; the bfloat16 state) the wrong results need.
+ODD_GRID = [dict(headdim=p, dstate=n, state_dtype=sd) for p in (50, 64) for n in (100, 128)
+            for sd in (torch.bfloat16, torch.float32)]
+
+
+def odd_case_row(occ, **change):
+    """The failing test example (with `change` applied) at occupancy occ (0: the table's): relative errors and
+    unwritten outputs."""
     import test_state_update_kernel as tsu
     from gpu_cases import poison_allocator, rel_err
 
     from m2ops.reference import state_update as ref
-    kw = tsu.make_inputs(**ODD_CASE)
+    case = {**ODD_CASE, **change}
+    kw = tsu.make_inputs(**case)
     ey, enew = ref.state_update(**tsu._cpu(kw))
     launch.HINT_OVERRIDE.clear()
     if occ:
@@ -53,7 +62,8 @@ def odd_case_row(occ):
         torch.cuda.synchronize()
     finally:
         launch.HINT_OVERRIDE.clear()
-    return dict(case="odd", occupancy=occ or "table", err_y=rel_err(y, ey), err_state=rel_err(new, enew),
+    return dict(case="odd", headdim=case["headdim"], dstate=case["dstate"], state=str(case["state_dtype"])[6:],
+                occupancy=occ or "table", err_y=rel_err(y, ey), err_state=rel_err(new, enew),
                 unwritten=int(y.isnan().sum() + new.isnan().sum()))
 
 
@@ -73,10 +83,13 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--dstates", default="128,256")
     ap.add_argument("--occupancy", default="0,2,4,8")
+    ap.add_argument("--odd-grid", action="store_true",
+                    help="the odd case at headdim 50/64 x dstate 100/128 x bfloat16/float32 state, not only its own")
+    ap.add_argument("--no-timing", action="store_true", help="only the odd case's rows (e.g. under compute-sanitizer)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    for n in map(int, args.dstates.split(",")):
+    for n in ([] if args.no_timing else map(int, args.dstates.split(","))):
         for batch in map(int, args.batches.split(",")):
             inp = _inputs(batch, n)
             base = None
@@ -101,10 +114,11 @@ def main():
                     launch.HINT_OVERRIDE.clear()
                 print(row, flush=True)
                 rows.append(row)
-    for occ in map(int, args.occupancy.split(",")):
-        row = odd_case_row(occ)
-        print(row, flush=True)
-        rows.append(row)
+    for change in (ODD_GRID if args.odd_grid else [{}]):
+        for occ in map(int, args.occupancy.split(",")):
+            row = odd_case_row(occ, **change)
+            print(row, flush=True)
+            rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
