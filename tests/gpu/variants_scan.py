@@ -69,18 +69,8 @@ VARIANTS = {
                         "local16"),
     "out BL128 occ 3": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 3}}, True, "cb16", "states16",
                         "local16"),
-    # compute_out on clusters of two CTAs (the num_ctas hint: one program's tiles split over two CTAs). In
-    # tileiras 13.4's sm_90 build: 64-row blocks, occupancy 4: 64 registers, 51.7 KB of shared memory, 7,744 SASS
-    # instructions against 5,168 without clusters; 128-row blocks, occupancy 3: 256 threads, 80 registers,
-    # 70 KB; occupancy 4: 128 threads, 128 registers, 35 KB and a 64-byte spill
-    "out CT2": ({}, {"compute_out": {"occupancy": 4, "num_ctas": 2}}, True, "cb16", "states16", "local16"),
-    "out BL128 CT2 occ 3": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 3, "num_ctas": 2}}, True,
-                            "cb16", "states16", "local16"),
-    "out BL128 CT2 occ 4": ({"compute_out": {"BL": 128}}, {"compute_out": {"occupancy": 4, "num_ctas": 2}}, True,
-                            "cb16", "states16", "local16"),
-    # compute_out with eight worker warps (num_worker_warps; tileiras 13.4, sm_90: 384 threads, 56 registers, 69 KB
-    # of shared memory, so three CTAs per SM; 4,320 SASS instructions against 5,168)
-    "out W8": ({}, {"compute_out": {"occupancy": 3, "num_worker_warps": 8}}, True, "cb16", "states16", "local16"),
+    # (Clusters of two CTAs and eight worker warps were tried in the eighteenth session: a misaligned-address
+    # fault and 47% slower; docs/performance-log.md v28.)
     # chunk_state with HB heads per program (each B tile read once per HB heads), on the defaults; registers
     # in tileiras 13.4's sm_90 build: HB2 TN128 247 (occupancy 2), HB2 TN64 128, HB4 TN64 255 (occupancy 2)
     "state HB2 occ 2": ({"chunk_state": {"HB": 2}}, {"chunk_state": {"occupancy": 2}}, True, "cb16", "states16"),
