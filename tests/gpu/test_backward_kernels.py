@@ -124,6 +124,19 @@ def test_public_function_gradients(kw, D, z):
     reference's autograd on the CPU in float32, from the same rounded inputs and cotangents. Tolerance: twice
     the kernel-level one (the forward's own rounding enters the gradients of dt, A and dt_bias); A's and
     dt_bias's errors relative to the magnitude of the per-token terms they sum (per_head_sum_scales)."""
+    _check_public_gradients(kw, D, z)
+
+
+# headdim 50/64 x dstate 100/128: each stride class of the backward's hinted builds (launch._OCCUPANCY_ANY_CHUNK),
+# named rather than left to the sweep's few examples (see test_kernels.test_stride_classes_of_hinted_builds).
+@pytest.mark.parametrize("headdim,dstate", [(p, n) for p in (50, 64) for n in (100, 128)])
+def test_gradients_in_each_stride_class(headdim, dstate):
+    _check_public_gradients(dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=600, nheads=4, ngroups=2,
+                                 headdim=headdim, dstate=dstate, dt_softplus=True, dt_bias=True,
+                                 initial_states=True, seed=headdim * 1000 + dstate), "hp", True)
+
+
+def _check_public_gradients(kw, D, z):
     from m2ops import mamba_chunk_scan_combined
     case = make_case(**kw, D=D, z=z)
     gen = torch.Generator().manual_seed(kw["seed"])

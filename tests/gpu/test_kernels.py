@@ -180,6 +180,29 @@ def test_reference_fallbacks(kw):
     assert torch.equal(y, y_ref) and torch.equal(fin, fin_ref)
 
 
+# ---- each stride class of the hinted builds, named ----
+
+# cuTile builds a kernel per divisibility class of its arrays' strides, and the launchers build some kernels with
+# an occupancy hint (launch._OCCUPANCY): one such build of state_update computed wrong values only where a
+# partial row tile met 200-byte state rows (headdim 50, dstate 100; docs/performance-log.md v28), a class the
+# sweeps above reach only by chance at a few examples. These run headdim 50/64 x dstate 100/128 through the
+# public function in the dtypes and chunk sizes whose builds carry hints: bfloat16 at 256 (its own entries) and
+# float16 at 64.
+STRIDE_CLASSES = [(p, n) for p in (50, 64) for n in (100, 128)]
+
+
+@pytest.mark.parametrize("dtype,chunk_size", [(torch.bfloat16, 256), (torch.float16, 64)])
+@pytest.mark.parametrize("headdim,dstate", STRIDE_CLASSES)
+def test_stride_classes_of_hinted_builds(dtype, chunk_size, headdim, dstate):
+    case = make_case(dtype=dtype, chunk_size=chunk_size, batch=2, seqlen=600, nheads=4, ngroups=2, headdim=headdim,
+                     dstate=dstate, D="hp", z=True, initial_states=True, dt_bias=True, seed=headdim * 1000 + dstate)
+    y_ref, fin_ref, _, _ = reference_forward(case)
+    poison_allocator()
+    y, fin = public_call(case)
+    _check(y, y_ref, "y", dtype, "y")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+
+
 # ---- 64-bit offsets: the protocol's largest shape ----
 
 def test_256k_tokens_dstate_512_split_in_halves():

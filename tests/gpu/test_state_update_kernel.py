@@ -186,6 +186,17 @@ def test_every_tile_and_dtype(dtype, dstate):
            what=f"{dtype} dstate={dstate}")
 
 
+# The example on which occupancy 4 and 8 gave wrong outputs (docs/performance-log.md v28) and its neighbours: a
+# partial row tile (headdim 50) or not, 16-byte state rows or not (dstate 100 in a bfloat16 state: 200 bytes),
+# each a separate build. Named here so that every build of the table's hint runs on the GPU, not only the sweep's.
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("headdim,dstate", [(p, n) for p in (50, 64) for n in (100, 128)])
+def test_stride_classes(headdim, dstate, state_dtype):
+    _check(make_inputs(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=headdim, dstate=dstate,
+                       state_dtype=state_dtype, param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False,
+                       dt_limit=(0.002, 0.3), D="hp", seed=4162), f"headdim {headdim} dstate {dstate}")
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_model_sized(state_dtype):
     """Mamba-2 2.7B decode shapes (80 heads of 64, dstate 128, one group), batch 1 and 16: thousands of
