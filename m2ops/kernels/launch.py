@@ -223,11 +223,12 @@ _OCCUPANCY = {
 # (16K/N=128), 6.448 -> 6.199 (64K/N=64).
 # Some of these builds spill a little (chunk_cumsum_bwd at chunk 256 about 115 words a thread): faster all the
 # same. chunk_cumsum (occ 4: 0.033 -> 0.038 ms; occ 8 slower still) and varlen_states (not swept) keep none.
-# state_update keeps none although occupancy 8 made the decode step 1.7-3.7x faster (2.511 -> 0.686 ms at batch
-# 256 N=256): with occupancy 4 or 8 it gave wrong outputs at headdim 50, dstate 100 with a bfloat16 state (rows
-# left unwritten at 8, values of order 1e35 at 4; right at 2 and without a hint; tests/gpu/
-# test_state_update_kernel.py, docs/performance-log.md v26). Not understood yet. Occupancy 2 (on trial): 1.3-1.8x
-# (1.200 -> 0.675 ms at batch 256 N=128) and right on that example.
+# state_update at occupancy 2: 1.200 -> 0.675 ms per decode step at batch 256 N=128, 2.511 -> 1.419 at N=256
+# (decode_scan.py), every GPU suite passing. Occupancy 4 and 8 are faster still (0.460, 0.355 at N=128) but gave
+# wrong outputs at headdim 50, dstate 100 with a bfloat16 state (values of order 1e35 at 4, rows left unwritten at
+# 8): the only builds seen to both spill and make no TMA copy (tests/state_update_builds.py; docs/
+# performance-log.md v26, v28). At that shape occupancy 2 compiles to the unhinted build, so its evidence is the
+# suites at the other shapes, where it halves the registers (255 -> 128) without spilling.
 # The backward's kernels are keyed by "float32" whatever the activations (they read float32).
 _OCCUPANCY_ANY_CHUNK = {
     ("chunk_cb", "16bit"): 4,
