@@ -33,13 +33,12 @@ from m2ops.ops.state_update import selective_state_update  # noqa: E402
 
 H, P, G = 80, 64, 1
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-ODD_CASE = dict(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=50, dstate=100, state_dtype=torch.bfloat16,
-                param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False, dt_limit=(0.002, 0.3), D="hp", seed=4162)
+from gpu_cases import STRIDE_CLASSES  # noqa: E402
 
-
-# Around the odd case: which of its unusual properties (headdim 50: a partial last row tile; dstate 100: 200-byte
-# rows of a bfloat16 state, not a multiple of 16 bytes; the bfloat16 state) the wrong results need.
-ODD_GRID = [dict(headdim=p, dstate=n, state_dtype=sd) for p in (50, 64) for n in (100, 128)
+# Around the odd case (test_state_update_kernel.ODD_CASE): which of its unusual properties (headdim 50: a partial
+# last row tile; dstate 100: 200-byte rows of a bfloat16 state, not a multiple of 16 bytes; the bfloat16 state) the
+# wrong results need.
+ODD_GRID = [dict(headdim=p, dstate=n, state_dtype=sd) for p, n in STRIDE_CLASSES
             for sd in (torch.bfloat16, torch.float32)]
 
 
@@ -50,7 +49,7 @@ def odd_case_row(occ, **change):
     from gpu_cases import poison_allocator, rel_err
 
     from m2ops.reference import state_update as ref
-    case = {**ODD_CASE, **change}
+    case = {**tsu.ODD_CASE, **change}
     kw = tsu.make_inputs(**case)
     ey, enew = ref.state_update(**tsu._cpu(kw))
     launch.HINT_OVERRIDE.clear()

@@ -31,6 +31,10 @@ from m2ops.reference import chunked as ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CHUNK_SIZES = (16, 32, 64, 128, 256)
+# headdim x dstate pairs that give the arrays different stride classes (cuTile builds a kernel per class): a partial
+# row tile (headdim 50) or not, rows of a bfloat16 array that are whole 16-byte multiples (dstate 128) or not (100).
+# The GPU tests run each by name: the sweeps reach them only by chance at a few examples (performance-log v28).
+STRIDE_CLASSES = tuple((p, n) for p in (50, 64) for n in (100, 128))
 
 TOL = {
     "cumsum": {torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float32: 2e-6},

@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import (kernels_or_reason, make_case, per_head_sum_err, per_head_sum_scales,  # noqa: E402
-                       poison_allocator, reference_forward, rel_err, sweep_settings)
+from gpu_cases import (STRIDE_CLASSES, kernels_or_reason, make_case, per_head_sum_err,  # noqa: E402
+                       per_head_sum_scales, poison_allocator, reference_forward, rel_err, sweep_settings)
 
 from m2ops.reference import chunked_backward as ref_bwd  # noqa: E402
 
@@ -127,9 +127,9 @@ def test_public_function_gradients(kw, D, z):
     _check_public_gradients(kw, D, z)
 
 
-# headdim 50/64 x dstate 100/128: each stride class of the backward's hinted builds (launch._OCCUPANCY_ANY_CHUNK),
-# named rather than left to the sweep's few examples (see test_kernels.test_stride_classes_of_hinted_builds).
-@pytest.mark.parametrize("headdim,dstate", [(p, n) for p in (50, 64) for n in (100, 128)])
+# Each stride class of the backward's hinted builds (launch._OCCUPANCY_ANY_CHUNK), named rather than left to the
+# sweep's few examples (gpu_cases.STRIDE_CLASSES).
+@pytest.mark.parametrize("headdim,dstate", STRIDE_CLASSES)
 def test_gradients_in_each_stride_class(headdim, dstate):
     _check_public_gradients(dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=600, nheads=4, ngroups=2,
                                  headdim=headdim, dstate=dstate, dt_softplus=True, dt_bias=True,

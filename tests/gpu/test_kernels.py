@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import (CHUNK_SIZES, DTYPES, TOL, kernels_or_reason, make_case, poison_allocator,  # noqa: E402
-                       public_call, reference_forward, rel_err, sweep_settings)
+from gpu_cases import (CHUNK_SIZES, DTYPES, STRIDE_CLASSES, TOL, kernels_or_reason, make_case,  # noqa: E402
+                       poison_allocator, public_call, reference_forward, rel_err, sweep_settings)
 
 import m2ops  # noqa: E402
 
@@ -185,10 +185,9 @@ def test_reference_fallbacks(kw):
 # cuTile builds a kernel per divisibility class of its arrays' strides, and the launchers build some kernels with
 # an occupancy hint (launch._OCCUPANCY): one such build of state_update computed wrong values only where a
 # partial row tile met 200-byte state rows (headdim 50, dstate 100; docs/performance-log.md v28), a class the
-# sweeps above reach only by chance at a few examples. These run headdim 50/64 x dstate 100/128 through the
+# sweeps above reach only by chance at a few examples. These run each of gpu_cases.STRIDE_CLASSES through the
 # public function in the dtypes and chunk sizes whose builds carry hints: bfloat16 at 256 (its own entries) and
 # float16 at 64.
-STRIDE_CLASSES = [(p, n) for p in (50, 64) for n in (100, 128)]
 
 
 @pytest.mark.parametrize("dtype,chunk_size", [(torch.bfloat16, 256), (torch.float16, 64)])

@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import kernels_or_reason, poison_allocator, rel_err, sweep_settings  # noqa: E402
+from gpu_cases import STRIDE_CLASSES, kernels_or_reason, poison_allocator, rel_err, sweep_settings  # noqa: E402
 
 from m2ops.reference import state_update as ref  # noqa: E402
 
@@ -186,15 +186,19 @@ def test_every_tile_and_dtype(dtype, dstate):
            what=f"{dtype} dstate={dstate}")
 
 
-# The example on which occupancy 4 and 8 gave wrong outputs (docs/performance-log.md v28) and its neighbours: a
-# partial row tile (headdim 50) or not, 16-byte state rows or not (dstate 100 in a bfloat16 state: 200 bytes),
-# each a separate build. Named here so that every build of the table's hint runs on the GPU, not only the sweep's.
+# The example on which occupancy 4 and 8 gave wrong outputs (docs/performance-log.md v26, v28; decode_scan.py
+# runs it at each occupancy).
+ODD_CASE = dict(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=50, dstate=100, state_dtype=torch.bfloat16,
+                param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False, dt_limit=(0.002, 0.3), D="hp", seed=4162)
+
+
+# That example in each stride class (gpu_cases.STRIDE_CLASSES), with a bfloat16 and a float32 state: each a
+# separate build, so that every build of the table's hint runs on the GPU, not only the sweep's.
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("headdim,dstate", [(p, n) for p in (50, 64) for n in (100, 128)])
+@pytest.mark.parametrize("headdim,dstate", STRIDE_CLASSES)
 def test_stride_classes(headdim, dstate, state_dtype):
-    _check(make_inputs(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=headdim, dstate=dstate,
-                       state_dtype=state_dtype, param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False,
-                       dt_limit=(0.002, 0.3), D="hp", seed=4162), f"headdim {headdim} dstate {dstate}")
+    _check(make_inputs(**{**ODD_CASE, "headdim": headdim, "dstate": dstate, "state_dtype": state_dtype}),
+           f"headdim {headdim} dstate {dstate}")
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
