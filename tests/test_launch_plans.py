@@ -163,3 +163,32 @@ def test_hinted_kernel_keeps_the_table_choice_and_follows_an_override(monkeypatc
     assert launch.hinted_kernel("compute_out", "bfloat16", 256) is launch._hinted("compute_out", (("occupancy", 2),))
     monkeypatch.delitem(launch.HINT_OVERRIDE, "compute_out")
     assert launch.hinted_kernel("compute_out", "bfloat16", 256) is table
+
+
+def test_state_update_hints_follow_the_rows_alignment(monkeypatch):
+    """state_update launches the occupancy-4 build only where every tiled array has 16-byte rows (headdim 64,
+    dstate 128 in bfloat16), the table's build at headdim 50 or dstate 100 (rows of 100 or 200 bytes), for a view that starts off a 16-byte boundary, and while HINT_OVERRIDE
+    names the kernel."""
+    kernels = []
+    monkeypatch.setattr(launch, "_launch", lambda grid, kernel, args, *rest: kernels.append(kernel))
+    aligned = launch._hinted("state_update", (("occupancy", launch.STATE_UPDATE_ALIGNED_OCCUPANCY),))
+    table = launch.hinted_kernel("state_update", "bfloat16", 0)
+    assert aligned is not table
+
+    def step(p, n, d_shape=(), offset=0, b=2, h=4, g=2):
+        bf = dict(dtype=torch.bfloat16)
+        state = torch.randn(b * h * p * n + offset, **bf)[offset:].view(b, h, p, n)
+        D = torch.rand(h, *d_shape) if d_shape else None
+        launch.state_update(state, torch.randn(b, h, p, **bf), torch.rand(b, h, **bf), -torch.rand(h),
+                            torch.randn(b, g, n, **bf), torch.randn(b, g, n, **bf), D, torch.randn(b, h, p, **bf),
+                            None, True, 0.0, float("inf"))
+        return kernels[-1]
+
+    assert step(64, 128) is aligned
+    assert step(64, 128, d_shape=(64,)) is aligned  # D per channel, rows of 256 bytes
+    assert step(50, 128) is table  # x, y, z rows of 100 bytes
+    assert step(64, 100) is table  # state rows of 200 bytes
+    assert step(56, 32) is aligned  # rows of 112 and 64 bytes
+    assert step(64, 128, offset=1) is table  # the state starts 2 bytes off
+    monkeypatch.setitem(launch.HINT_OVERRIDE, "state_update", {"occupancy": 2})
+    assert step(64, 128) is launch._hinted("state_update", (("occupancy", 2),))

@@ -413,6 +413,43 @@ def state_update_constants(tile_n: int) -> dict:
     return dict(TP=max(8, min(64, STATE_UPDATE_TILE_ELEMS // tile_n)), TN=tile_n)
 
 
+# Occupancy where every array the kernel reads or writes as tiles has 16-byte rows (rows_of_16_bytes): those
+# builds copy by TMA and build at 64 registers without spills at headdim 64 x dstate 64-256 (1.47x faster than
+# occupancy 2 at batch 256, docs/performance-log.md v28). Elsewhere the table's occupancy: at headdim 50 x
+# dstate 100 with a bfloat16 state, occupancy 4 spilled, made no TMA copy and wrote wrong values.
+STATE_UPDATE_ALIGNED_OCCUPANCY = 4
+
+
+def rows_of_16_bytes(*tensors) -> bool:
+    """Whether each tensor starts on a 16-byte boundary, has a unit last stride (or a last dimension of one)
+    and every other stride a multiple of 16 bytes: the stride class in which cuTile's builds copy tiles by TMA."""
+    for t in tensors:
+        e = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return False
+        if any((st * e) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def state_update_hints(dtype: str, aligned: bool) -> dict:
+    """The hints of state_update's build for activations of dtype: the table's, or occupancy
+    STATE_UPDATE_ALIGNED_OCCUPANCY where every tiled array has 16-byte rows (aligned), unless HINT_OVERRIDE
+    names state_update."""
+    if aligned and "state_update" not in HINT_OVERRIDE:
+        return {"occupancy": STATE_UPDATE_ALIGNED_OCCUPANCY}
+    return kernel_hints("state_update", dtype, 0)
+
+
+def state_update_kernel_for(dtype: str, aligned: bool):
+    """The kernel object state_update launches (kept per hints, as hinted_kernel's)."""
+    if aligned and "state_update" not in HINT_OVERRIDE:
+        return _hinted("state_update", tuple(sorted(state_update_hints(dtype, True).items())))
+    return hinted_kernel("state_update", dtype, 0)
+
+
 def state_update_dtypes(act_dtype: str) -> tuple:
     """The dtypes of dt and of the state (each) that the kernel is built for, given the activations' dtype:
     that dtype or float32 (a layer's dt is its activations' dtype; states are float32, or the activations'
@@ -1215,7 +1252,9 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     new_state = torch.empty((b, h, p, n), dtype=state_k.dtype, device=dev)
     k = state_update_constants(state_update_tile_n(n))
     n_ptiles = cdiv(p, k["TP"])
-    _launch((h * n_ptiles, b, 1), hinted_kernel("state_update", _dtype_name(act), 0),
+    tiled = (state_k, xk, Bk, Ck, new_state, y) + ((zk,) if z is not None else ()) + ((Dk,) if has_d == 2 else ())
+    kernel = state_update_kernel_for(_dtype_name(act), rows_of_16_bytes(*tiled))
+    _launch((h * n_ptiles, b, 1), kernel,
             (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, new_state, y,
              h, h // g, n, n_ptiles, has_d, int(z is not None), int(dt_bias is not None),
              int(bool(dt_softplus)), float(dt_min), float(dt_max),

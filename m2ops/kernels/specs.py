@@ -317,9 +317,11 @@ def all_specs() -> list[Spec]:
         for dt_dtype in launch.state_update_dtypes(dt):
             for state_dtype in launch.state_update_dtypes(dt):
                 for tn in launch.STATE_UPDATE_TILE_NS:
-                    out.append(Spec("state_update", dt, launch.state_update_constants(tn),
-                                    _params("state_update", dt, dt_dtype, state_dtype),
-                                    _hints("state_update", dt, 0), dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+                    for aligned in (False, True):  # the table's build, and the one for 16-byte rows
+                        hints = tuple(sorted(launch.state_update_hints(dt, aligned).items()))
+                        out.append(Spec("state_update", dt, launch.state_update_constants(tn),
+                                        _params("state_update", dt, dt_dtype, state_dtype),
+                                        hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
     # Each with 64-bit-indexed arrays also as its 32-bit twin.
     out += [dataclasses.replace(s, narrow=True) for s in out if index_width.has_wide_arrays(s.kernel)]
     return out
