@@ -778,7 +778,7 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     kc = chunk_cb_constants(L, BL)
     chunk_cb = _step((n_rblocks * (L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
                      (n, kc["L"], kc["BL"], kc["TN"]), device)
-    n_ptiles = cdiv(p, TILE_P)
+    n_ptiles = cdiv(p, k["TP"])
     compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                         (T, h, h // g, n, n_ptiles, has_d, int(has_z),
                          k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
