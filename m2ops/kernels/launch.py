@@ -223,12 +223,13 @@ _OCCUPANCY = {
 # (16K/N=128), 6.448 -> 6.199 (64K/N=64).
 # Some of these builds spill a little (chunk_cumsum_bwd at chunk 256 about 115 words a thread): faster all the
 # same. chunk_cumsum (occ 4: 0.033 -> 0.038 ms; occ 8 slower still) and varlen_states (not swept) keep none.
-# state_update at occupancy 2: 1.200 -> 0.675 ms per decode step at batch 256 N=128, 2.511 -> 1.419 at N=256
-# (decode_scan.py), every GPU suite passing. Occupancy 4 and 8 are faster still (0.460, 0.355 at N=128) but gave
+# state_update at occupancy 2 (the table's, for rows that are not 16-byte multiples): 1.200 -> 0.675 ms per decode
+# step at batch 256 N=128, 2.511 -> 1.419 at N=256 (decode_scan.py), every GPU suite passing. Occupancy 4 and 8 gave
 # wrong outputs at headdim 50, dstate 100 with a bfloat16 state (values of order 1e35 at 4, rows left unwritten at
 # 8): the only builds seen to both spill and make no TMA copy (tests/state_update_builds.py; docs/
 # performance-log.md v26, v28). At that shape occupancy 2 compiles to the unhinted build, so its evidence is the
-# suites at the other shapes, where it halves the registers (255 -> 128) without spilling.
+# suites at the other shapes, where it halves the registers (255 -> 128) without spilling. Where every tiled
+# array has 16-byte rows the launcher takes occupancy 4 instead (STATE_UPDATE_ALIGNED_OCCUPANCY, below).
 # The backward's kernels are keyed by "float32" whatever the activations (they read float32).
 _OCCUPANCY_ANY_CHUNK = {
     ("chunk_cb", "16bit"): 4,
@@ -414,9 +415,10 @@ def state_update_constants(tile_n: int) -> dict:
 
 
 # Occupancy where every array the kernel reads or writes as tiles has 16-byte rows (rows_of_16_bytes): those
-# builds copy by TMA and build at 64 registers without spills at headdim 64 x dstate 64-256 (1.47x faster than
-# occupancy 2 at batch 256, docs/performance-log.md v28). Elsewhere the table's occupancy: at headdim 50 x
-# dstate 100 with a bfloat16 state, occupancy 4 spilled, made no TMA copy and wrote wrong values.
+# builds copy by TMA and build at 64 registers without spills at headdim 64 x dstate 64-256. On the H200 0.684 ->
+# 0.465 ms per decode step at batch 256 N=128, 1.443 -> 0.965 at N=256, bit-identical outputs, every GPU suite
+# passing (docs/performance-log.md v29). Elsewhere the table's occupancy: at headdim 50 x dstate 100 with a
+# bfloat16 state, occupancy 4 spilled, made no TMA copy and wrote wrong values.
 STATE_UPDATE_ALIGNED_OCCUPANCY = 4
 
 
