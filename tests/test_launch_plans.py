@@ -192,3 +192,28 @@ def test_state_update_hints_follow_the_rows_alignment(monkeypatch):
     assert step(64, 128, offset=1) is table  # the state starts 2 bytes off
     monkeypatch.setitem(launch.HINT_OVERRIDE, "state_update", {"occupancy": 2})
     assert step(64, 128) is launch._hinted("state_update", (("occupancy", 2),))
+
+
+@pytest.mark.parametrize("rmsnorm", [True, False])
+def test_layer_decode_step_takes_the_aligned_state_update_build(monkeypatch, rmsnorm):
+    """The arrays m2ops.Mamba2.step hands the decode op (x, B, C, z as views into its projections, the float32
+    state cache) have 16-byte rows at a usual size (headdim 64, dstate 128, 8 heads), so on the GPU the step runs
+    state_update's occupancy-4 build, the one docs/layer.md's decode times are for."""
+    import m2ops
+    from m2ops import layer as layer_mod
+
+    seen = {}
+    real = layer_mod.ops.state_update
+
+    def spy(state, x, dt, A, B, C, D, z, *rest):
+        seen.update(state=state, x=x, B=B, C=C, z=z, D=D)
+        return real(state, x, dt, A, B, C, D, z, *rest)
+
+    monkeypatch.setattr(layer_mod.ops, "state_update", spy)
+    mixer = m2ops.Mamba2(d_model=256, d_state=128, headdim=64, rmsnorm=rmsnorm, dtype=torch.bfloat16)
+    conv_state, ssm_state = mixer.allocate_inference_cache(2)
+    mixer.step(torch.randn(2, 1, 256, dtype=torch.bfloat16), conv_state, ssm_state)
+    assert (seen["z"] is None) == rmsnorm and seen["x"].shape == (2, 8, 64) and seen["B"].shape == (2, 1, 128)
+    tiled = [seen[k] for k in ("state", "x", "B", "C", "z") if seen[k] is not None]
+    assert not all(t.is_contiguous() for t in tiled[1:])  # views into the projections, as on the GPU
+    assert launch.rows_of_16_bytes(*tiled)
