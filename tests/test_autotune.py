@@ -68,10 +68,13 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     assert default in cands
     assert {c["path"] for c in cands} == {"split", "fused"}
     assert [c["state_block"] for c in cands if c["path"] == "split" and "chunk" not in c] == list(STATE_BLOCKS)
-    # the two-op path on sub-chunks: 256 cut into 64 or 128, 128 into 64, 64 no further
-    for L, subs in ((256, [64, 128]), (128, [64]), (64, [])):
+    # the two-op path on other chunk sizes: 256 cut into 64 or 128, 128 into 64, 64 no further; a caller's 128
+    # or 64 also carried into chunks of 256, unless the sequence fits in one of its chunks
+    for L, subs in ((256, [64, 128]), (128, [64, 256]), (64, [256])):
         _, cs = launch.chunk_scan_configs(1, 16384, 80, 64, 128, L, cpu)
         assert sorted(c["chunk"] for c in cs if "chunk" in c) == subs
+    _, cs = launch.chunk_scan_configs(1, 100, 80, 64, 128, 128, cpu)
+    assert sorted(c["chunk"] for c in cs if "chunk" in c) == [64]
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
     assert default["path"] == "split" and all(c["path"] == "split" for c in cands)

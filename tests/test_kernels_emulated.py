@@ -242,6 +242,30 @@ def test_chunk_scan_on_sub_chunks(seqlen, sub, dtype):
     _check(fin, fin_ref, "states", dtype, "final_states")
 
 
+@pytest.mark.parametrize("seqlen,L", [(300, 128), (700, 64), (100, 64), (1000, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_scan_on_super_chunks(seqlen, L, dtype):
+    """chunk_scan's super-chunk candidate (a tuning choice for callers' chunks below launch.SUPER_CHUNK):
+    dt_out and dA_cumsum of chunk L carried across into chunks of 256 (launch.rechunk) give the reference's y
+    and final state at chunk L, with seq_idx restarts, initial states, D and z, T not a multiple of either chunk
+    size and a last chunk of 256 that holds fewer L-chunks than it has room for."""
+    case = make_case(seqlen=seqlen, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=L, dtype=dtype,
+                     initial_states=True, seq_idx=True, D="h", z=True, device="cpu", seed=seqlen + L)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    dt2, cs2 = launch.rechunk(mid["dt_out"], mid["dA_cumsum"], launch.SUPER_CHUNK, seqlen)
+    want_dt, want_cs = launch.ref.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], launch.SUPER_CHUNK, True,
+                                               *case["dt_limit"])
+    assert cs2.shape == want_cs.shape == (1, 2, launch.num_chunks(seqlen, 256), 256)
+    assert torch.equal(dt2, want_dt.float()) and torch.allclose(cs2, want_cs.float(), rtol=1e-5, atol=1e-5)
+    with emulated_kernels():
+        blk = launch.forward_state_block()
+        y, fin = launch._chunk_scan_with({"path": "split", "state_block": blk, "chunk": launch.SUPER_CHUNK},
+                                         case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                         case["initial_states"], case["D"], case["z"], case["seq_idx"])
+    _check(y, y_ref, "y", dtype, "y")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+
+
 DECODE_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as the GPU decode tests
 
 
@@ -584,7 +608,9 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     _check(fin, fin_ref, "states", torch.float32, "final_states")
     stored = json.loads((tmp_path / "tuning.json").read_text())
     (entry,) = stored.values()
-    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == 8
+    # searched: the state_passing blocks, the fused path's four segment counts and chunks of 256
+    n_blocks = len(launch.STATE_BLOCKS)
+    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == n_blocks + 4 + 1
     autotune.forget()
     timed.clear()
     with emulated_kernels():
@@ -959,6 +985,14 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y4, fin4 = _launchers_forward(case)
             assert torch.equal(y3, y4) and torch.equal(fin3, fin4)
             assert rel_err(y3, y) <= 2e-2 and rel_err(fin3, fin) <= 2e-2  # another chunking: rounding apart
+            # a super-chunk configuration likewise (chunk_cumsum at 64, carried into chunks of 256)
+            store({"path": "split", "state_block": 512, "chunk": 256})
+            y5, fin5 = launch.planned_forward(*a)
+            (fp,) = launch._FORWARD_PLANS.values()
+            assert fp.sub_chunk == 256 and fp.states.states_shape[1] == 1
+            y6, fin6 = _launchers_forward(case)
+            assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
+            assert rel_err(y5, y) <= 2e-2 and rel_err(fin5, fin) <= 2e-2
             store({"path": "fused", "ppsm": 4})
             assert launch.planned_forward(*a) is None and plan_config() is None
             path.unlink()

@@ -25,6 +25,7 @@ import time
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import cuda.tile as ct
 
@@ -847,9 +848,10 @@ def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
 def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
     """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
     candidates are the two-op path at every state_passing block size, the two-op path on sub-chunks of
-    SUB_CHUNKS (the chunk size is the kernels' unit of parallel work; y and the final state do not depend on
-    it but through rounding) and, where the fused kernels can run, the fused path at several segment counts.
-    None of them needs more than the kernels' usual compiles."""
+    SUB_CHUNKS and, for a caller's chunk below SUPER_CHUNK, on chunks of SUPER_CHUNK (the chunk size is the
+    kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
+    the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
+    compile the kernels at that size when they are timed (the search's budget counts that time too)."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -861,6 +863,8 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
                    if c < chunk_size and chunk_size % c == 0]
+    if chunk_size < SUPER_CHUNK and SUPER_CHUNK % chunk_size == 0 and seqlen > chunk_size:
+        candidates.append({"path": "split", "state_block": blk, "chunk": SUPER_CHUNK})
     if segments_can_run(chunk_size, dstate):
         candidates += [{"path": "fused", "ppsm": v} for v in (2, 4, 8, 16)]
     return default, candidates
@@ -943,13 +947,29 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
 
 # Sub-chunk sizes chunk_scan's tuning tries for the two-op path (more, shorter programs: short sequences).
 SUB_CHUNKS = (64, 128)
+# The chunk size chunk_scan's tuning also tries when the caller's is smaller (and divides it): the size the
+# kernels' tables are tuned for (occupancy, bfloat16 local states), with half or a quarter of the chunk states
+# to write and pass. At 128 against 256 the call was up to 1.5x slower from 16K up on an H200 (nineteenth
+# session, docs/benchmarks.md).
+SUPER_CHUNK = 256
 
 
 def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
-    """dt_out and dA_cumsum of chunk size L as those of chunk size `chunk` (a divisor of L): the same dt, and
-    the cumulative sum restarted at every sub-chunk (cs minus cs at the end of the previous sub-chunk), over
-    the num_chunks(seqlen, chunk) sub-chunks that hold tokens."""
+    """dt_out and dA_cumsum of chunk size L as those of chunk size `chunk`, a divisor or a multiple of L: the
+    same dt, and the cumulative sum restarted at every sub-chunk (cs minus cs at the end of the previous
+    sub-chunk), or carried across the L-chunks of a larger chunk (plus the sums of the chunk's earlier
+    L-chunks), over the num_chunks(seqlen, chunk) chunks that hold tokens."""
     b, h, nc, L = dA_cumsum.shape
+    if chunk > L:
+        r, n2 = chunk // L, num_chunks(seqlen, chunk)
+        # Whole L-chunks past the last token padded with dt = 0 and cs = 0 (then flat at the carried sum), as
+        # chunk_cumsum pads the tokens past the end of the last chunk.
+        pad = (0, 0, 0, n2 * r - nc)
+        cs = F.pad(_as(dA_cumsum, torch.float32), pad).reshape(b, h, n2, r, L)
+        dt = F.pad(_as(dt_out, torch.float32), pad).reshape(b, h, n2, chunk)
+        totals = cs[..., -1]
+        cs = cs + (totals.cumsum(-1) - totals)[..., None]
+        return dt.contiguous(), cs.reshape(b, h, n2, chunk).contiguous()
     r = L // chunk
     cs = _as(dA_cumsum, torch.float32).reshape(b, h, nc, r, chunk)
     before = torch.cat([cs.new_zeros((b, h, nc, 1)), cs[:, :, :, :-1, -1]], dim=3)
@@ -1109,7 +1129,8 @@ class ForwardPlan(NamedTuple):
     scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
     scratch_bytes: int = 0
     go: object = None     # _Resolved
-    sub_chunk: int = 0    # a sub-chunk configuration's chunk (states and out planned at it), else 0
+    sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (states and out
+                          # planned at it), else 0
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
@@ -1117,8 +1138,9 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
     A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
     after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as the
-    configuration. A sub-chunk configuration is planned as chunk_scan runs it: chunk_cumsum at the caller's chunk
-    size, `rechunk` (a few PyTorch operations), then the states and y at the sub-chunk size."""
+    configuration. A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
+    chunk_cumsum at the caller's chunk size, `rechunk` (a few PyTorch operations), then the states and y at the
+    configuration's chunk size."""
     if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     b, T, h, p = x.shape
@@ -1138,7 +1160,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
             return None  # the launchers' path may search now
         config, from_default = (default, True) if found is None else (found, False)
     sub = config.get("chunk", L)
-    if config["path"] != "split" or sub > L or L % sub:
+    if config["path"] != "split" or (L % sub and sub % L):
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
     entering = _scan_entering_dtype(x.dtype)
