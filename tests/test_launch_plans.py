@@ -167,8 +167,8 @@ def test_hinted_kernel_keeps_the_table_choice_and_follows_an_override(monkeypatc
 
 def test_state_update_hints_follow_the_rows_alignment(monkeypatch):
     """state_update launches the occupancy-4 build only where every tiled array has 16-byte rows (headdim 64,
-    dstate 128 in bfloat16), the table's build at headdim 50 or dstate 100 (rows of 100 or 200 bytes), for a view that starts off a 16-byte boundary, and while HINT_OVERRIDE
-    names the kernel."""
+    dstate 128 in bfloat16); the table's build at headdim 50 or dstate 100 (rows of 100 or 200 bytes), for a
+    view that starts off a 16-byte boundary, and while HINT_OVERRIDE names the kernel."""
     kernels = []
     monkeypatch.setattr(launch, "_launch", lambda grid, kernel, args, *rest: kernels.append(kernel))
     aligned = launch._hinted("state_update", (("occupancy", launch.STATE_UPDATE_ALIGNED_OCCUPANCY),))
