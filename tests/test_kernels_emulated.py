@@ -482,6 +482,45 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
         assert err <= 2 * BWD_TOL[dtype], f"grad of {name}: {err:.3e}"
 
 
+def test_eager_training_on_super_chunks(monkeypatch):
+    """A training call whose chunk_scan configuration runs on chunks of 256 for the caller's 64 (the tuning
+    candidate launch.SUPER_CHUNK): y and the final state within rounding of the caller's chunking, and the
+    backward, which cannot reuse states kept at another chunk size, recomputes them at the caller's: every
+    gradient is bit for bit that of the default configuration without kept states."""
+    from m2ops.ops import eager
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=5,
+                     dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300)
+    gen = torch.Generator().manual_seed(5)
+    blk = launch.forward_state_block()
+    real_configs = launch._kept_scan_configs
+
+    def run(config, keep):
+        monkeypatch.setattr(eager, "KEEP_STATES", keep)
+        monkeypatch.setattr(launch, "_kept_scan_configs",
+                            (lambda *a: (config, [])) if config else real_configs)
+        leaves = {k: case[k].detach().requires_grad_() for k in EAGER_LEAVES if case[k] is not None}
+        a = {**case, **leaves}
+        with emulated_kernels():
+            y, fin = eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 64, a["D"], a["z"], a["dt_bias"],
+                                         a["initial_states"], None, True, 0.0, float("inf"))
+            torch.autograd.backward((y, fin), cot)
+        return y, fin, leaves
+
+    cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
+           torch.randn(case["initial_states"].shape, generator=gen))
+    chunks = []
+    real_rechunk = launch.rechunk
+    monkeypatch.setattr(launch, "rechunk", lambda dt, cs, chunk, T: chunks.append(chunk) or real_rechunk(dt, cs,
+                                                                                                       chunk, T))
+    y, fin, leaves = run({"path": "split", "state_block": blk, "chunk": launch.SUPER_CHUNK}, True)
+    assert chunks == [launch.SUPER_CHUNK]
+    y0, fin0, leaves0 = run(None, False)
+    assert chunks == [launch.SUPER_CHUNK]
+    assert rel_err(y, y0) <= 2e-2 and rel_err(fin, fin0) <= 2e-2  # another chunking: rounding apart
+    for name in leaves:
+        assert torch.equal(leaves[name].grad, leaves0[name].grad), name
+
+
 def test_eager_path_names_its_steps_in_the_profiler():
     """Under the profiler the direct path runs each launcher inside a record_function of its op's name, so a
     trace shows the same m2ops:: steps as through the custom ops (forward and backward)."""
