@@ -493,6 +493,8 @@ def test_eager_training_on_super_chunks(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     blk = launch.forward_state_block()
     real_configs = launch._kept_scan_configs
+    cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
+           torch.randn(case["initial_states"].shape, generator=gen))
 
     def run(config, keep):
         monkeypatch.setattr(eager, "KEEP_STATES", keep)
@@ -506,8 +508,6 @@ def test_eager_training_on_super_chunks(monkeypatch):
             torch.autograd.backward((y, fin), cot)
         return y, fin, leaves
 
-    cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
-           torch.randn(case["initial_states"].shape, generator=gen))
     chunks = []
     real_rechunk = launch.rechunk
     monkeypatch.setattr(launch, "rechunk", lambda dt, cs, chunk, T: chunks.append(chunk) or real_rechunk(dt, cs,

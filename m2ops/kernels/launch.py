@@ -421,6 +421,7 @@ def state_update_constants(tile_n: int) -> dict:
 # passing (docs/performance-log.md v29). Elsewhere the table's occupancy: at headdim 50 x dstate 100 with a
 # bfloat16 state, occupancy 4 spilled, made no TMA copy and wrote wrong values.
 STATE_UPDATE_ALIGNED_OCCUPANCY = 4
+_ALIGNED_HINTS = (("occupancy", STATE_UPDATE_ALIGNED_OCCUPANCY),)
 
 
 def rows_of_16_bytes(*tensors) -> bool:
@@ -445,14 +446,15 @@ def state_update_hints(dtype: str, aligned: bool) -> dict:
     STATE_UPDATE_ALIGNED_OCCUPANCY where every tiled array has 16-byte rows (aligned), unless HINT_OVERRIDE
     names state_update."""
     if aligned and "state_update" not in HINT_OVERRIDE:
-        return {"occupancy": STATE_UPDATE_ALIGNED_OCCUPANCY}
+        return dict(_ALIGNED_HINTS)
     return kernel_hints("state_update", dtype, 0)
 
 
 def state_update_kernel_for(dtype: str, aligned: bool):
-    """The kernel object state_update launches (kept per hints, as hinted_kernel's)."""
+    """The kernel object state_update launches, with state_update_hints' hints (kept per hints, as
+    hinted_kernel's; nothing built per decode step)."""
     if aligned and "state_update" not in HINT_OVERRIDE:
-        return _hinted("state_update", tuple(sorted(state_update_hints(dtype, True).items())))
+        return _hinted("state_update", _ALIGNED_HINTS)
     return hinted_kernel("state_update", dtype, 0)
 
 
