@@ -266,6 +266,33 @@ def test_chunk_scan_on_super_chunks(seqlen, L, dtype):
     _check(fin, fin_ref, "states", dtype, "final_states")
 
 
+@st.composite
+def chain_cases(draw):
+    """Cases the chained scan serves (launch.chain_can_run): chunk 64-256, dstate <= 128, no seq_idx; several
+    chunks per sequence so that the state is handed on, ragged ends, several headdim tiles, groups, batch rows."""
+    kw = draw(cases())
+    kw.update(chunk_size=draw(st.sampled_from(launch.CHAIN_CHUNKS)), seq_idx=False, cu_seqlens=False,
+              dstate=draw(st.sampled_from([8, 16, 64, 100, 128])),
+              seqlen=draw(st.one_of(st.integers(1, 70), st.integers(200, 700))))
+    return kw
+
+
+@given(chain_cases())
+@SWEEP
+def test_chunk_scan_chained(kw):
+    """chunk_scan's chain path (chained.py, a tuning choice): the reference's y and final state with the state
+    handed from chunk to chunk through final_states and the flags, in ticket order."""
+    case = make_case(**kw)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    dtype = case["x"].dtype
+    with emulated_launches() as launches:
+        y, fin = launch._chunk_scan_with({"path": "chain"}, case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"],
+                                         case["C"], case["initial_states"], case["D"], case["z"], None)
+    assert [name for name, _, _ in launches] == ["chunk_cb_kernel", "chained_scan_kernel"]
+    _check(y, y_ref, "y", dtype, "y")
+    _check(fin, fin_ref, "states", dtype, "final_states")
+
+
 DECODE_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as the GPU decode tests
 
 
@@ -647,9 +674,9 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     _check(fin, fin_ref, "states", torch.float32, "final_states")
     stored = json.loads((tmp_path / "tuning.json").read_text())
     (entry,) = stored.values()
-    # searched: the state_passing blocks, the fused path's four segment counts and chunks of 256
+    # searched: the chain, the state_passing blocks, the fused path's four segment counts and chunks of 256
     n_blocks = len(launch.STATE_BLOCKS)
-    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == n_blocks + 4 + 1
+    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == 1 + n_blocks + 4 + 1
     autotune.forget()
     timed.clear()
     with emulated_kernels():

@@ -34,6 +34,7 @@ from ..meta.shapes import cb_shape, cumsum_shape, final_states_shape, num_chunks
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
 from . import autotune, index_width
+from .chained import chained_scan_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
@@ -302,6 +303,7 @@ _KERNEL_OBJECTS = {
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
+    "chained_scan": chained_scan_kernel,
     # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
     # block the chunk size implies (common.sub_block) in place of the chunk size.
     "out_bwd_dx": out_bwd_dx_kernel,
@@ -350,6 +352,27 @@ def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dt
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
              CHK=bool(check), SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
+    return k
+
+
+# The chained scan (chained.py): chunk sizes it is built for, and the largest dstate (its (TP, NT) float32 state
+# and local state stay in registers).
+CHAIN_CHUNKS = (64, 128, 256)
+CHAIN_MAX_DSTATE = 128
+CHAIN_NTS = (32, 64, 128)
+
+
+def chain_can_run(chunk_size: int, dstate: int) -> bool:
+    return chunk_size in CHAIN_CHUNKS and dstate <= CHAIN_MAX_DSTATE
+
+
+def chained_scan_constants(chunk_size: int, dstate: int, dtype: str, check: bool = True) -> dict:
+    """NT: dstate rounded up to a power of two (at least 32); SBF as compute_out's."""
+    NT = 32
+    while NT < dstate:
+        NT *= 2
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, NT=NT, CHK=bool(check), SBF=dtype == "bfloat16")
+    k.update(CONSTANT_OVERRIDE.get("chained_scan", {}))
     return k
 
 
@@ -545,7 +568,7 @@ def _stream_handle() -> int:
 PDL = envvars.switch("M2OPS_PDL", True)
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
                          "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
-                         "varlen_states_kernel"))
+                         "varlen_states_kernel", "chained_scan_kernel"))
 _PDL_DEVICE: dict = {}
 
 
@@ -847,13 +870,16 @@ def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
             f"|seq{int(seq_idx is not None)}|D{int(D is not None)}|z{int(z is not None)}")
 
 
-def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
+def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device,
+                       has_seq: bool = False) -> tuple[dict, list]:
     """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
     candidates are the two-op path at every state_passing block size, the two-op path on sub-chunks of
     SUB_CHUNKS and, for a caller's chunk below SUPER_CHUNK, on chunks of SUPER_CHUNK (the chunk size is the
     kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
     the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
-    compile the kernels at that size when they are timed (the search's budget counts that time too)."""
+    compile the kernels at that size when they are timed (the search's budget counts that time too). The chained
+    scan (chained.py) comes first where it can run (chain_can_run, no seq_idx) and the sequence has more than
+    one chunk."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -862,7 +888,9 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
-    candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
+    candidates = [{"path": "chain"}] if (not has_seq and chain_can_run(chunk_size, dstate)
+                                         and seqlen > chunk_size) else []
+    candidates += [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
                    if c < chunk_size and chunk_size % c == 0]
     if chunk_size < SUPER_CHUNK and SUPER_CHUNK % chunk_size == 0 and seqlen > chunk_size:
@@ -936,7 +964,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
         return (*out, None) if keep_states else out
     b, T, h, p = x.shape
     n = B.shape[3]
-    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device)
+    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device, seq_idx is not None)
     config = default
     if _tuned(x):
         def run(cfg):
@@ -992,6 +1020,11 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     L0 = dt_out.shape[-1]
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
+    if config["path"] == "chain" and (seq_idx is not None or not chain_can_run(L0, B.shape[3])):
+        config = {"path": "split", "state_block": forward_state_block()}  # (a cache entry made for other inputs)
+    if config["path"] == "chain":
+        y, final_states = chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z)
+        return (y, final_states, None) if keep_states else (y, final_states)
     if config["path"] == "split":
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
@@ -1052,6 +1085,66 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
              *consts))
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return (y, final_states, None) if keep_states else (y, final_states)
+
+
+class _ChainPlan(NamedTuple):
+    cb_shape: tuple
+    cb_dtype: torch.dtype
+    sync_elems: int  # flags (one per batch row, head and headdim tile) and the ticket, zeroed before the launch
+    chunk_cb: Step
+    chain: Step
+
+
+@_planned
+def _chain_plan(b, T, h, p, g, n, L, dname, has_init, has_d, has_z, device) -> _ChainPlan:
+    k = chained_scan_constants(L, n, dname)
+    if "CHK" not in CONSTANT_OVERRIDE.get("chained_scan", {}):
+        k["CHK"] = not (T % k["BL"] == 0 and p % k["TP"] == 0 and n == k["NT"])
+    BL = k["BL"]
+    kc = chunk_cb_constants(L, BL)
+    chunk_cb = _step((cdiv(T, BL) * (L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
+                     (n, kc["L"], kc["BL"], kc["TN"]), device)
+    n_ptiles = cdiv(p, k["TP"])
+    chain = _step((num_chunks(T, L) * h * n_ptiles * b, 1, 1), hinted_kernel("chained_scan", dname, L),
+                  (T, b, h, h // g, n_ptiles, int(has_init), has_d, int(has_z),
+                   k["L"], k["BL"], k["TP"], k["NT"], k["CHK"], k["SBF"]), device)
+    return _ChainPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)), b * h * n_ptiles + 1,
+                      chunk_cb, chain)
+
+
+def chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z):
+    """y and the final state of chunk_scan without seq_idx through the chained kernel (chained.py), for
+    chain_can_run's chunk sizes and dstates."""
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    L, dev = dt_out.shape[-1], x.device
+    mma_dtype = _common_dtype(x, B, C, z)
+    Dk, has_d = _d_arg(D, x)
+    plan = _chain_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), initial_states is not None, has_d,
+                       z is not None, dev)
+    xk = _as(x, mma_dtype)
+    init = _as(initial_states, torch.float32) if initial_states is not None else None
+    y, final_states = _run_chain(plan, xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32),
+                                 _as(B, mma_dtype), _as(C, mma_dtype), init, Dk,
+                                 _as(z, mma_dtype) if z is not None else xk)
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
+
+
+def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, cb=None, go=Step.launch):
+    """The chained scan's buffers allocated and its launches (C . B^T, then the chain) made by go, on arguments in
+    the kernels' form (init: float32 initial states or None). Returns y (xk's dtype) and the final states."""
+    b, _, h, p = xk.shape
+    n, dev = Bk.shape[3], xk.device
+    if cb is None:
+        cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
+    sync = torch.zeros((plan.sync_elems,), dtype=torch.int32, device=dev)
+    go(plan.chunk_cb, (Ck, Bk, cb))
+    y = torch.empty(xk.shape, dtype=xk.dtype, device=dev)
+    final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
+    flags = sync[1:].view(b, h, (plan.sync_elems - 1) // (b * h))
+    go(plan.chain, (xk, dtk, csk, Bk, Ck, cb, Dk, zk, init if init is not None else final_states, final_states,
+                    flags, sync[:1], y))
+    return y, final_states
 
 
 # ---- a whole eager forward, planned once per signature ----
