@@ -68,11 +68,10 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     assert default in cands
     assert {c["path"] for c in cands} == {"chain", "split", "fused"}
     assert cands[0] == {"path": "chain"}  # searched first: the single-pass kernel
-    # the chain is no candidate with seq_idx, above dstate 128, at chunk sizes it is not built for, or where
-    # the sequence fits in one chunk (nothing to hand on)
-    for args, kw in (((1, 16384, 80, 64, 128, 256, cpu), dict(has_seq=True)), ((1, 16384, 80, 64, 256, 256, cpu), {}),
-                     ((1, 16384, 80, 64, 128, 32, cpu), {}), ((1, 200, 80, 64, 128, 256, cpu), {})):
-        assert all(c["path"] != "chain" for c in launch.chunk_scan_configs(*args, **kw)[1])
+    # the chain is no candidate above dstate 128, at chunk sizes it is not built for, or where the sequence fits
+    # in one chunk (nothing to hand on)
+    for args in ((1, 16384, 80, 64, 256, 256, cpu), (1, 16384, 80, 64, 128, 32, cpu), (1, 200, 80, 64, 128, 256, cpu)):
+        assert all(c["path"] != "chain" for c in launch.chunk_scan_configs(*args)[1])
     assert [c["state_block"] for c in cands if c["path"] == "split" and "chunk" not in c] == list(STATE_BLOCKS)
     # the two-op path on other chunk sizes: 256 cut into 64 or 128, 128 into 64, 64 no further; a caller's 128
     # or 64 also carried into chunks of 256, unless the sequence fits in one of its chunks

@@ -268,10 +268,10 @@ def test_chunk_scan_on_super_chunks(seqlen, L, dtype):
 
 @st.composite
 def chain_cases(draw):
-    """Cases the chained scan serves (launch.chain_can_run): chunk 64-256, dstate <= 128, no seq_idx; several
-    chunks per sequence so that the state is handed on, ragged ends, several headdim tiles, groups, batch rows."""
+    """Cases the chained scan serves (launch.chain_can_run): chunk 64-256, dstate <= 128; several chunks per
+    sequence so that the state is handed on, ragged ends, several headdim tiles, groups, batch rows, seq_idx."""
     kw = draw(cases())
-    kw.update(chunk_size=draw(st.sampled_from(launch.CHAIN_CHUNKS)), seq_idx=False, cu_seqlens=False,
+    kw.update(chunk_size=draw(st.sampled_from(launch.CHAIN_CHUNKS)),
               dstate=draw(st.sampled_from([8, 16, 64, 100, 128])),
               seqlen=draw(st.one_of(st.integers(1, 70), st.integers(200, 700))))
     return kw
@@ -287,7 +287,7 @@ def test_chunk_scan_chained(kw):
     dtype = case["x"].dtype
     with emulated_launches() as launches:
         y, fin = launch._chunk_scan_with({"path": "chain"}, case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"],
-                                         case["C"], case["initial_states"], case["D"], case["z"], None)
+                                         case["C"], case["initial_states"], case["D"], case["z"], case["seq_idx"])
     assert [name for name, _, _ in launches] == ["chunk_cb_kernel", "chained_scan_kernel"]
     _check(y, y_ref, "y", dtype, "y")
     _check(fin, fin_ref, "states", dtype, "final_states")

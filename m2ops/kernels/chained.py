@@ -26,7 +26,9 @@ took an earlier ticket, hence has started and runs to completion: no dependence 
 hardware schedules blocks, and no deadlock however few programs are resident. The launcher zeroes the ticket
 and the flags before each launch.
 
-Scope: no seq_idx, and dstate <= 128 (NT, a power of two >= dstate, keeps the (TP, NT) float32 state and its
+seq_idx (HAS_SEQ) follows the rules of chunk_state, state_passing and compute_out at chunk granularity.
+
+Scope: dstate <= 128 (NT, a power of two >= dstate, keeps the (TP, NT) float32 state and its
 local twin in registers). Precision as in chunk_state / compute_out: token products in the input dtype with
 float32 accumulation, the recurrence in float32, the inter-chunk product C . S^T in bfloat16 for bfloat16 inputs
 (SBF) and tf32 otherwise.
@@ -43,11 +45,12 @@ _ZERO = ct.PaddingMode.ZERO
 
 
 @ct.kernel
-def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb: Big, D, z: Big,
+def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb: Big, D, z: Big, seq_idx: Big,
                         initial_states: Big, final_states: Big, flags, ticket, y: Big,
                         seqlen: int, batch: int, nheads: int, heads_per_group: int, n_ptiles: int,
                         has_init: int, has_d: int, has_z: int,
-                        L: ConstInt, BL: ConstInt, TP: ConstInt, NT: ConstInt, CHK: ConstBool, SBF: ConstBool):
+                        L: ConstInt, BL: ConstInt, TP: ConstInt, NT: ConstInt, HAS_SEQ: ConstBool, CHK: ConstBool,
+                        SBF: ConstBool):
     dependent_launch_prologue()  # (also orders the ticket and flags after the launcher's zeroing of them)
     t = ct.atomic_add(ticket, 0, 1, memory_order=ct.MemoryOrder.RELAXED)
     per_chunk = batch * nheads * n_ptiles
@@ -62,6 +65,15 @@ def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb:
     blocks_per_chunk = L // BL
     n_sub = ct.minimum(blocks_per_chunk, (seqlen - c * L + BL - 1) // BL)  # sub-blocks that hold tokens
     cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
+    cs_carry = cs_last  # log of the entering state's decay across the chunk
+    if HAS_SEQ:
+        # As chunk_state, state_passing and compute_out: the entering state belongs to the sequence of the token
+        # before the chunk (sequence 0 owns initial_states) and survives the chunk only if its last token is of
+        # that sequence; only tokens of the last token's sequence add to the leaving state.
+        seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
+        seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
+        seq_prev = ct.where(c == 0, 0, seq_prev)
+        cs_carry = ct.where(seq_last == seq_prev, cs_last, -float("inf"))
 
     # 1. The chunk's local state.
     local = ct.zeros((TP, NT), dtype=ct.float32)
@@ -71,7 +83,10 @@ def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb:
         dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         xs = load_tile(x, (b, row, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         bs = load_tile(B, (b, row, g, 0), (1, BL, 1, NT), CHK).reshape((BL, NT))
-        local = weighted_state_product(xs, bs, token_weight(cs_last, cs, dt), local)
+        w = token_weight(cs_last, cs, dt)
+        if HAS_SEQ:
+            w = ct.where(load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((BL,)) == seq_last, w, 0.0)
+        local = weighted_state_product(xs, bs, w, local)
 
     # 2. The state entering the chunk, and the one leaving it for the next chunk's program.
     if c == 0:
@@ -86,7 +101,7 @@ def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb:
         # Not through TMA: the copy engine's reads are not ordered by the acquire above.
         s_in = ct.load(final_states, (b, h, pt, 0), shape=(1, 1, TP, NT), padding_mode=_ZERO,
                        allow_tma=False).reshape((TP, NT))
-    s_out = s_in * exp2(cs_last * LOG2E) + local
+    s_out = s_in * exp2(cs_carry * LOG2E) + local  # (exp2(-inf) = 0: a sequence starts inside the chunk)
     ct.store(final_states, (b, h, pt, 0), s_out.reshape((1, 1, TP, NT)), allow_tma=False)
     ct.atomic_xchg(flags, (b, h, pt), c + 1, memory_order=ct.MemoryOrder.RELEASE)
 
@@ -107,23 +122,33 @@ def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb:
         cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         dt_i = ct.load(dt_out, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
         csl_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(()) * LOG2E
+        keep = causal
+        if HAS_SEQ:
+            seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
+            keep = keep & (seq_i[:, None] == seq_i[None, :])
         ci = load_tile(C, (b, rb, g, 0), (1, BL, 1, NT), CHK).reshape((BL, NT))
         xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
         if SBF:
             acc = ct.mma(ci, s_op, ct.zeros((BL, TP), dtype=ct.float32))
         else:
             acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32), s_op, ct.zeros((BL, TP), dtype=ct.float32))
-        acc = acc * exp2(csl_s)
+        if HAS_SEQ:
+            acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
+        else:
+            acc = acc * exp2(csl_s)
         for jb in range(m):
             cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
             cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
             dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
             wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
+            if HAS_SEQ:
+                seq_j = load_tile(seq_idx, (b, c * blocks_per_chunk + jb), (1, BL), CHK).reshape((BL,))
+                wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
             xj = load_tile(x, (b, c * blocks_per_chunk + jb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
             acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
         acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
         cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-        wgt = scale_by(cbd, diag_decay(cs_i, causal) * dt_i[None, :])
+        wgt = scale_by(cbd, diag_decay(cs_i, keep) * dt_i[None, :])
         acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
         if has_d != 0:
             acc = acc + xi.astype(ct.float32) * dv

@@ -366,12 +366,14 @@ def chain_can_run(chunk_size: int, dstate: int) -> bool:
     return chunk_size in CHAIN_CHUNKS and dstate <= CHAIN_MAX_DSTATE
 
 
-def chained_scan_constants(chunk_size: int, dstate: int, dtype: str, check: bool = True) -> dict:
+def chained_scan_constants(chunk_size: int, dstate: int, dtype: str, has_seq: bool = False,
+                           check: bool = True) -> dict:
     """NT: dstate rounded up to a power of two (at least 32); SBF as compute_out's."""
     NT = 32
     while NT < dstate:
         NT *= 2
-    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, NT=NT, CHK=bool(check), SBF=dtype == "bfloat16")
+    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, NT=NT, HAS_SEQ=bool(has_seq), CHK=bool(check),
+             SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("chained_scan", {}))
     return k
 
@@ -870,16 +872,14 @@ def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
             f"|seq{int(seq_idx is not None)}|D{int(D is not None)}|z{int(z is not None)}")
 
 
-def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device,
-                       has_seq: bool = False) -> tuple[dict, list]:
+def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
     """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
     candidates are the two-op path at every state_passing block size, the two-op path on sub-chunks of
     SUB_CHUNKS and, for a caller's chunk below SUPER_CHUNK, on chunks of SUPER_CHUNK (the chunk size is the
     kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
     the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
     compile the kernels at that size when they are timed (the search's budget counts that time too). The chained
-    scan (chained.py) comes first where it can run (chain_can_run, no seq_idx) and the sequence has more than
-    one chunk."""
+    scan (chained.py) comes first where it can run (chain_can_run) and the sequence has more than one chunk."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -888,8 +888,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
-    candidates = [{"path": "chain"}] if (not has_seq and chain_can_run(chunk_size, dstate)
-                                         and seqlen > chunk_size) else []
+    candidates = [{"path": "chain"}] if chain_can_run(chunk_size, dstate) and seqlen > chunk_size else []
     candidates += [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
                    if c < chunk_size and chunk_size % c == 0]
@@ -964,7 +963,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
         return (*out, None) if keep_states else out
     b, T, h, p = x.shape
     n = B.shape[3]
-    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device, seq_idx is not None)
+    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device)
     config = default
     if _tuned(x):
         def run(cfg):
@@ -1020,10 +1019,10 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     L0 = dt_out.shape[-1]
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
-    if config["path"] == "chain" and (seq_idx is not None or not chain_can_run(L0, B.shape[3])):
+    if config["path"] == "chain" and not chain_can_run(L0, B.shape[3]):
         config = {"path": "split", "state_block": forward_state_block()}  # (a cache entry made for other inputs)
     if config["path"] == "chain":
-        y, final_states = chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z)
+        y, final_states = chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
         return (y, final_states, None) if keep_states else (y, final_states)
     if config["path"] == "split":
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
@@ -1096,8 +1095,8 @@ class _ChainPlan(NamedTuple):
 
 
 @_planned
-def _chain_plan(b, T, h, p, g, n, L, dname, has_init, has_d, has_z, device) -> _ChainPlan:
-    k = chained_scan_constants(L, n, dname)
+def _chain_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, has_d, has_z, device) -> _ChainPlan:
+    k = chained_scan_constants(L, n, dname, has_seq)
     if "CHK" not in CONSTANT_OVERRIDE.get("chained_scan", {}):
         k["CHK"] = not (T % k["BL"] == 0 and p % k["TP"] == 0 and n == k["NT"])
     BL = k["BL"]
@@ -1107,30 +1106,31 @@ def _chain_plan(b, T, h, p, g, n, L, dname, has_init, has_d, has_z, device) -> _
     n_ptiles = cdiv(p, k["TP"])
     chain = _step((num_chunks(T, L) * h * n_ptiles * b, 1, 1), hinted_kernel("chained_scan", dname, L),
                   (T, b, h, h // g, n_ptiles, int(has_init), has_d, int(has_z),
-                   k["L"], k["BL"], k["TP"], k["NT"], k["CHK"], k["SBF"]), device)
+                   k["L"], k["BL"], k["TP"], k["NT"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     return _ChainPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)), b * h * n_ptiles + 1,
                       chunk_cb, chain)
 
 
-def chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z):
-    """y and the final state of chunk_scan without seq_idx through the chained kernel (chained.py), for
-    chain_can_run's chunk sizes and dstates."""
+def chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
+    """y and the final state of chunk_scan through the chained kernel (chained.py), for chain_can_run's chunk
+    sizes and dstates."""
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     L, dev = dt_out.shape[-1], x.device
     mma_dtype = _common_dtype(x, B, C, z)
     Dk, has_d = _d_arg(D, x)
-    plan = _chain_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), initial_states is not None, has_d,
-                       z is not None, dev)
+    plan = _chain_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None,
+                       initial_states is not None, has_d, z is not None, dev)
+    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     xk = _as(x, mma_dtype)
     init = _as(initial_states, torch.float32) if initial_states is not None else None
     y, final_states = _run_chain(plan, xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32),
                                  _as(B, mma_dtype), _as(C, mma_dtype), init, Dk,
-                                 _as(z, mma_dtype) if z is not None else xk)
+                                 _as(z, mma_dtype) if z is not None else xk, seq)
     return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
 
 
-def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, cb=None, go=Step.launch):
+def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, seq, cb=None, go=Step.launch):
     """The chained scan's buffers allocated and its launches (C . B^T, then the chain) made by go, on arguments in
     the kernels' form (init: float32 initial states or None). Returns y (xk's dtype) and the final states."""
     b, _, h, p = xk.shape
@@ -1142,7 +1142,7 @@ def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, cb=None, go
     y = torch.empty(xk.shape, dtype=xk.dtype, device=dev)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
     flags = sync[1:].view(b, h, (plan.sync_elems - 1) // (b * h))
-    go(plan.chain, (xk, dtk, csk, Bk, Ck, cb, Dk, zk, init if init is not None else final_states, final_states,
+    go(plan.chain, (xk, dtk, csk, Bk, Ck, cb, Dk, zk, seq, init if init is not None else final_states, final_states,
                     flags, sync[:1], y))
     return y, final_states
 

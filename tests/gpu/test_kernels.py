@@ -132,12 +132,12 @@ def test_chunk_scan_chained(kw, chunk, dstate):
     reference, twice on the same inputs: the two runs' bits must agree (the programs' waits order every read of
     the handed state after its write; a race would show as runs that differ)."""
     from m2ops.kernels import launch
-    kw.update(chunk_size=chunk, dstate=dstate, seq_idx=False, cu_seqlens=False)
+    kw.update(chunk_size=chunk, dstate=dstate)
     case = make_case(**kw)
     y_ref, fin_ref, _, mid = reference_forward(case)
     poison_allocator()
     args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"], case["initial_states"], case["D"],
-            case["z"], None)
+            case["z"], case["seq_idx"])
     y, fin = launch._chunk_scan_with({"path": "chain"}, *args)
     _check(y, y_ref, "y", case["x"].dtype, "y")
     _check(fin, fin_ref, "states", case["x"].dtype, "final_states")
