@@ -1029,7 +1029,7 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
 
     def plan_config():
         (fp,) = launch._FORWARD_PLANS.values()
-        return fp.config if fp.out is not None else None
+        return fp.config if (fp.out is not None or fp.chain is not None) else None
 
     try:
         with emulated_kernels():
@@ -1059,6 +1059,16 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y6, fin6 = _launchers_forward(case)
             assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
             assert rel_err(y5, y) <= 2e-2 and rel_err(fin5, fin) <= 2e-2
+            # the chain path: planned (chunk_cumsum, chunk_cb, the chain on one scratch allocation, its flags
+            # zeroed on every call), with the launchers' bits, twice
+            store({"path": "chain"})
+            y7, fin7 = launch.planned_forward(*a)
+            (fp,) = launch._FORWARD_PLANS.values()
+            assert fp.chain is not None and fp.out is None and fp.config == {"path": "chain"}
+            y8, fin8 = launch.planned_forward(*a)
+            y9, fin9 = _launchers_forward(case)
+            assert torch.equal(y7, y9) and torch.equal(fin7, fin9) and torch.equal(y8, y9) and torch.equal(fin8, fin9)
+            assert rel_err(y7, y) <= 2e-2 and rel_err(fin7, fin) <= 2e-2
             store({"path": "fused", "ppsm": 4})
             assert launch.planned_forward(*a) is None and plan_config() is None
             path.unlink()

@@ -1130,14 +1130,18 @@ def chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
     return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
 
 
-def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, seq, cb=None, go=Step.launch):
-    """The chained scan's buffers allocated and its launches (C . B^T, then the chain) made by go, on arguments in
-    the kernels' form (init: float32 initial states or None). Returns y (xk's dtype) and the final states."""
+def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, seq, cb=None, sync=None, go=Step.launch):
+    """The chained scan's buffers allocated (C . B^T's and the flags and ticket unless given as cb and sync; sync
+    is zeroed here) and its launches (C . B^T, then the chain) made by go, on arguments in the kernels' form (init:
+    float32 initial states or None). Returns y (xk's dtype) and the final states."""
     b, _, h, p = xk.shape
     n, dev = Bk.shape[3], xk.device
     if cb is None:
         cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
-    sync = torch.zeros((plan.sync_elems,), dtype=torch.int32, device=dev)
+    if sync is None:
+        sync = torch.zeros((plan.sync_elems,), dtype=torch.int32, device=dev)
+    else:
+        sync.zero_()
     go(plan.chunk_cb, (Ck, Bk, cb))
     y = torch.empty(xk.shape, dtype=xk.dtype, device=dev)
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
@@ -1226,14 +1230,16 @@ class ForwardPlan(NamedTuple):
     go: object = None     # _Resolved
     sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (states and out
                           # planned at it), else 0
+    chain: object = None  # _ChainPlan of the chain path (states and out None then; scratch: dt_out, dA_cumsum,
+                          # cb, the chain's flags and ticket)
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
     """The ForwardPlan of a forward without seq_idx on these inputs (validated, contiguous), or None for now: a
     profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
-    A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
-    after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as the
-    configuration. A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
+    A plan whose `out` and `chain` are None says the call must take the launchers one by one: inputs the kernels
+    take only after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as
+    the configuration. The chain path is planned as chunk_cumsum, chunk_cb and the chain (`chain`). A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
     chunk_cumsum at the caller's chunk size, `rechunk` (a few PyTorch operations), then the states and y at the
     configuration's chunk size."""
     if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -1255,19 +1261,26 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
             return None  # the launchers' path may search now
         config, from_default = (default, True) if found is None else (found, False)
     sub = config.get("chunk", L)
+    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
+    cs_shape = cumsum_shape(b, T, h, L)
+    _, has_d = _d_arg(D, x)
+    if config["path"] == "chain" and chain_can_run(L, n):
+        chain = _chain_plan(b, T, h, p, g, n, L, _dtype_name(x.dtype), False, initial_states is not None, has_d,
+                            z is not None, dev)
+        layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
+                                          (chain.cb_dtype, chain.cb_shape), (torch.int32, (chain.sync_elems,))))
+        return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, None, None, None, layout, nbytes,
+                           _Resolved(), 0, chain)
     if config["path"] != "split" or (L % sub and sub % L):
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
     entering = _scan_entering_dtype(x.dtype)
     states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None, config.get("state_block"),
                          entering is not None, entering, dev)
-    _, has_d = _d_arg(D, x)
     out = _out_plan(b, T, h, p, g, n, sub, dname, False, entering if entering is not None else states.local_dtype,
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
-    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
-    cs_shape = cumsum_shape(b, T, h, L)
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
                                       (states.local_dtype, states.states_shape),
                                       (entering, states.states_shape) if states.separate else None,
@@ -1314,7 +1327,7 @@ def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, d
         if len(_FORWARD_PLANS) >= 1024:
             _FORWARD_PLANS.clear()
         _FORWARD_PLANS[sig] = fp
-    if fp.out is None:
+    if fp.out is None and fp.chain is None:
         return None
     if call_key is not None:
         if len(CALL_PLANS) >= 1024:
@@ -1332,13 +1345,18 @@ CALL_PLANS: dict = {}
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
     same launches, buffers and bits as the launchers give (with a sub-chunk configuration, the same rechunk
-    between them)."""
-    dt_out, dA_cumsum, local, entering, cb = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
+    between them), or of chunk_cumsum and the chain path."""
+    views = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
     go = fp.go
-    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
+    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, views[:2], go)
+    seq = _dummy(x, torch.int32, 2)
+    if fp.chain is not None:
+        dt_out, dA_cumsum, cb, sync = views
+        return _run_chain(fp.chain, x, dt_out, dA_cumsum, B, C, initial_states, _d_arg(D, x)[0],
+                          z if z is not None else x, seq, cb, sync, go)
+    dt_out, dA_cumsum, local, entering, cb = views
     if fp.sub_chunk:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, fp.sub_chunk, x.shape[1])
-    seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
                                        (local, entering), go)
     y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,
