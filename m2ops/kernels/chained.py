@@ -10,7 +10,7 @@ One program per (chunk, head, headdim tile, batch row). In order, it
 
 The state is handed from chunk to chunk through one float32 slot per (batch row, head, headdim tile): the
 caller's final_states array itself, which after the last chunk holds the final state. flags[b, h, pt] counts the
-chunks folded into the slot: chunk c waits for c (an acquiring load), reads, writes S_out and sets c + 1
+chunks folded into the slot: chunk c waits for c (an acquiring atomic), reads, writes S_out and sets c + 1
 (a releasing exchange). A chunk reads the slot before it overwrites it, and its successor reads only after that
 write, so one slot is enough.
 
@@ -95,8 +95,10 @@ def chained_scan_kernel(x: Big, dt_out: Big, dA_cumsum: Big, B: Big, C: Big, cb:
             s_in = ct.load(initial_states, (b, h, pt, 0), shape=(1, 1, TP, NT),
                            padding_mode=_ZERO).reshape((TP, NT))
     else:
-        while ct.load(flags, (b, h, pt), shape=(), memory_order=ct.MemoryOrder.ACQUIRE,
-                      memory_scope=ct.MemoryScope.DEVICE) < c:
+        # Polled with an atomic (adding 0), not a load: a scalar atomic runs on one thread and its result is
+        # broadcast, so every thread leaves the loop on the same iteration. A polling load runs on every thread;
+        # threads that saw the new value at different iterations then met different barriers (a hang on the H200).
+        while ct.atomic_add(flags, (b, h, pt), 0, memory_order=ct.MemoryOrder.ACQUIRE) < c:
             pass
         # Not through TMA: the copy engine's reads are not ordered by the acquire above.
         s_in = ct.load(final_states, (b, h, pt, 0), shape=(1, 1, TP, NT), padding_mode=_ZERO,

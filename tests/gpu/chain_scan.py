@@ -6,7 +6,7 @@ Per shape (profile_scan.py's case: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D 
 chunk_cumsum once, then chunk_scan through the two-op path (its default configuration) and through the chain at
 each occupancy hint (0: none). Reports the median device time of each (launch.median_ms, 50 runs), the chain's y
 and final state against the two-op path's and, up to --ref-max tokens, against the float32 reference (relative
-error), and whether 20 repeated chain runs gave the same bits (the chain's programs wait on each other; a race
+error), and whether --repeats (20) repeated chain runs gave the same bits (the chain's programs wait on each other; a race
 would show as runs that differ).
 """
 
@@ -33,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--occupancy", default="0,2")
     ap.add_argument("--ref-max", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -55,7 +56,7 @@ def main(argv=None):
                 y1, f1 = launch._chunk_scan_with({"path": "chain"}, *ins)
                 torch.cuda.synchronize()
                 same = all(torch.equal(y1, y) and torch.equal(f1, f) for y, f in
-                           (launch._chunk_scan_with({"path": "chain"}, *ins) for _ in range(20)))
+                           (launch._chunk_scan_with({"path": "chain"}, *ins) for _ in range(args.repeats)))
                 ms = launch.median_ms(lambda: launch._chunk_scan_with({"path": "chain"}, *ins), args.reps)
                 entry = dict(ms=ms, vs_split=(rel_err(y1, y0), rel_err(f1, f0)), repeat_bits_equal=same)
                 if T <= args.ref_max:
@@ -65,6 +66,7 @@ def main(argv=None):
             finally:
                 launch.HINT_OVERRIDE = {}
             row[f"chain_occ{occ}"] = entry
+            print(f"  {T} {N} occupancy {occ}: {entry}", flush=True)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del case, ins, y0, f0
