@@ -66,12 +66,7 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     monkeypatch.setattr(launch, "_sm_count", lambda device: 132)  # an H200's SMs, without a GPU
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 128, 256, cpu)
     assert default in cands
-    assert {c["path"] for c in cands} == {"chain", "split", "fused"}
-    assert cands[0] == {"path": "chain"}  # searched first: the single-pass kernel
-    # the chain is no candidate above dstate 128, at chunk sizes it is not built for, or where the sequence fits
-    # in one chunk (nothing to hand on)
-    for args in ((1, 16384, 80, 64, 256, 256, cpu), (1, 16384, 80, 64, 128, 32, cpu), (1, 200, 80, 64, 128, 256, cpu)):
-        assert all(c["path"] != "chain" for c in launch.chunk_scan_configs(*args)[1])
+    assert {c["path"] for c in cands} == {"split", "fused"}
     assert [c["state_block"] for c in cands if c["path"] == "split" and "chunk" not in c] == list(STATE_BLOCKS)
     # the two-op path on other chunk sizes: 256 cut into 64 or 128, 128 into 64, 64 no further; a caller's 128
     # or 64 also carried into chunks of 256, unless the sequence fits in one of its chunks
@@ -82,7 +77,7 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     assert sorted(c["chunk"] for c in cs if "chunk" in c) == [64]
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
-    assert default["path"] == "split" and all(c["path"] == "split" for c in cands)  # (and no chain: dstate 256)
+    assert default["path"] == "split" and all(c["path"] == "split" for c in cands)
     # short sequences default to the two-op kernels too (measured faster there since v19), and the fused
     # kernels stay a candidate for the tuner; forced, the default is fused
     default, cands = launch.chunk_scan_configs(1, 1024, 80, 64, 128, 256, cpu)

@@ -266,33 +266,6 @@ def test_chunk_scan_on_super_chunks(seqlen, L, dtype):
     _check(fin, fin_ref, "states", dtype, "final_states")
 
 
-@st.composite
-def chain_cases(draw):
-    """Cases the chained scan serves (launch.chain_can_run): chunk 64-256, dstate <= 128; several chunks per
-    sequence so that the state is handed on, ragged ends, several headdim tiles, groups, batch rows, seq_idx."""
-    kw = draw(cases())
-    kw.update(chunk_size=draw(st.sampled_from(launch.CHAIN_CHUNKS)),
-              dstate=draw(st.sampled_from([8, 16, 64, 100, 128])),
-              seqlen=draw(st.one_of(st.integers(1, 70), st.integers(200, 700))))
-    return kw
-
-
-@given(chain_cases())
-@SWEEP
-def test_chunk_scan_chained(kw):
-    """chunk_scan's chain path (chained.py, a tuning choice): the reference's y and final state with the state
-    handed from chunk to chunk through final_states and the flags, in ticket order."""
-    case = make_case(**kw)
-    y_ref, fin_ref, _, mid = reference_forward(case)
-    dtype = case["x"].dtype
-    with emulated_launches() as launches:
-        y, fin = launch._chunk_scan_with({"path": "chain"}, case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"],
-                                         case["C"], case["initial_states"], case["D"], case["z"], case["seq_idx"])
-    assert [name for name, _, _ in launches] == ["chunk_cb_kernel", "chained_scan_kernel"]
-    _check(y, y_ref, "y", dtype, "y")
-    _check(fin, fin_ref, "states", dtype, "final_states")
-
-
 DECODE_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as the GPU decode tests
 
 
@@ -674,9 +647,9 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     _check(fin, fin_ref, "states", torch.float32, "final_states")
     stored = json.loads((tmp_path / "tuning.json").read_text())
     (entry,) = stored.values()
-    # searched: the chain, the state_passing blocks, the fused path's four segment counts and chunks of 256
+    # searched: the state_passing blocks, the fused path's four segment counts and chunks of 256
     n_blocks = len(launch.STATE_BLOCKS)
-    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == 1 + n_blocks + 4 + 1
+    assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == n_blocks + 4 + 1
     autotune.forget()
     timed.clear()
     with emulated_kernels():
@@ -1029,7 +1002,7 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
 
     def plan_config():
         (fp,) = launch._FORWARD_PLANS.values()
-        return fp.config if (fp.out is not None or fp.chain is not None) else None
+        return fp.config if fp.out is not None else None
 
     try:
         with emulated_kernels():
@@ -1059,16 +1032,6 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y6, fin6 = _launchers_forward(case)
             assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
             assert rel_err(y5, y) <= 2e-2 and rel_err(fin5, fin) <= 2e-2
-            # the chain path: planned (chunk_cumsum, chunk_cb, the chain on one scratch allocation, its flags
-            # zeroed on every call), with the launchers' bits, twice
-            store({"path": "chain"})
-            y7, fin7 = launch.planned_forward(*a)
-            (fp,) = launch._FORWARD_PLANS.values()
-            assert fp.chain is not None and fp.out is None and fp.config == {"path": "chain"}
-            y8, fin8 = launch.planned_forward(*a)
-            y9, fin9 = _launchers_forward(case)
-            assert torch.equal(y7, y9) and torch.equal(fin7, fin9) and torch.equal(y8, y9) and torch.equal(fin8, fin9)
-            assert rel_err(y7, y) <= 2e-2 and rel_err(fin7, fin) <= 2e-2
             store({"path": "fused", "ppsm": 4})
             assert launch.planned_forward(*a) is None and plan_config() is None
             path.unlink()

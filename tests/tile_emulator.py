@@ -108,31 +108,6 @@ class _Emu:
             src.append(slice(lo - o, hi - o))
         array[tuple(dst)] = tile[tuple(src)].to(array.dtype)
 
-    # Atomics on one element (the chained scan's ticket and flags): programs run one after another here, so a
-    # plain read-modify-write is atomic, and memory orders have nothing to order.
-    MemoryOrder = real_ct.MemoryOrder
-    MemoryScope = real_ct.MemoryScope
-
-    @staticmethod
-    def _element(array, index):
-        index = (index,) if not isinstance(index, tuple) else index
-        index = tuple(int(i) for i in index)
-        if len(index) != array.dim():
-            raise IndexError(f"atomic: index {index} for a {array.dim()}-d array")
-        return index
-
-    def atomic_add(self, array, index, update, **_):
-        i = self._element(array, index)
-        old = array[i].clone()
-        array[i] += update
-        return old
-
-    def atomic_xchg(self, array, index, update, **_):
-        i = self._element(array, index)
-        old = array[i].clone()
-        array[i] = update
-        return old
-
     # Programmatic dependent launch: programs run one launch at a time here, so both are no-ops.
     @staticmethod
     def grid_dependency_control_wait():

@@ -34,7 +34,6 @@ from ..meta.shapes import cb_shape, cumsum_shape, final_states_shape, num_chunks
 from ..reference import chunked as ref
 from ..reference import state_update as ref_su
 from . import autotune, index_width
-from .chained import chained_scan_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
@@ -303,7 +302,6 @@ _KERNEL_OBJECTS = {
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
-    "chained_scan": chained_scan_kernel,
     # Backward kernels (launch_bwd.py) take the chunk size at run time: their hints are keyed by the token
     # block the chunk size implies (common.sub_block) in place of the chunk size.
     "out_bwd_dx": out_bwd_dx_kernel,
@@ -352,29 +350,6 @@ def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dt
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
              CHK=bool(check), SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
-    return k
-
-
-# The chained scan (chained.py): chunk sizes it is built for, and the largest dstate (its (TP, NT) float32 state
-# and local state stay in registers).
-CHAIN_CHUNKS = (64, 128, 256)
-CHAIN_MAX_DSTATE = 128
-CHAIN_NTS = (32, 64, 128)
-
-
-def chain_can_run(chunk_size: int, dstate: int) -> bool:
-    return chunk_size in CHAIN_CHUNKS and dstate <= CHAIN_MAX_DSTATE
-
-
-def chained_scan_constants(chunk_size: int, dstate: int, dtype: str, has_seq: bool = False,
-                           check: bool = True) -> dict:
-    """NT: dstate rounded up to a power of two (at least 32); SBF as compute_out's."""
-    NT = 32
-    while NT < dstate:
-        NT *= 2
-    k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, NT=NT, HAS_SEQ=bool(has_seq), CHK=bool(check),
-             SBF=dtype == "bfloat16")
-    k.update(CONSTANT_OVERRIDE.get("chained_scan", {}))
     return k
 
 
@@ -570,7 +545,7 @@ def _stream_handle() -> int:
 PDL = envvars.switch("M2OPS_PDL", True)
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
                          "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
-                         "varlen_states_kernel", "chained_scan_kernel"))
+                         "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
 
 
@@ -878,8 +853,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     SUB_CHUNKS and, for a caller's chunk below SUPER_CHUNK, on chunks of SUPER_CHUNK (the chunk size is the
     kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
     the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
-    compile the kernels at that size when they are timed (the search's budget counts that time too). The chained
-    scan (chained.py) comes first where it can run (chain_can_run) and the sequence has more than one chunk."""
+    compile the kernels at that size when they are timed (the search's budget counts that time too)."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -888,8 +862,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
-    candidates = [{"path": "chain"}] if chain_can_run(chunk_size, dstate) and seqlen > chunk_size else []
-    candidates += [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
+    candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
                    if c < chunk_size and chunk_size % c == 0]
     if chunk_size < SUPER_CHUNK and SUPER_CHUNK % chunk_size == 0 and seqlen > chunk_size:
@@ -1019,11 +992,6 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
     L0 = dt_out.shape[-1]
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
-    if config["path"] == "chain" and not chain_can_run(L0, B.shape[3]):
-        config = {"path": "split", "state_block": forward_state_block()}  # (a cache entry made for other inputs)
-    if config["path"] == "chain":
-        y, final_states = chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
-        return (y, final_states, None) if keep_states else (y, final_states)
     if config["path"] == "split":
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
@@ -1084,71 +1052,6 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
              *consts))
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return (y, final_states, None) if keep_states else (y, final_states)
-
-
-class _ChainPlan(NamedTuple):
-    cb_shape: tuple
-    cb_dtype: torch.dtype
-    sync_elems: int  # flags (one per batch row, head and headdim tile) and the ticket, zeroed before the launch
-    chunk_cb: Step
-    chain: Step
-
-
-@_planned
-def _chain_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, has_d, has_z, device) -> _ChainPlan:
-    k = chained_scan_constants(L, n, dname, has_seq)
-    if "CHK" not in CONSTANT_OVERRIDE.get("chained_scan", {}):
-        k["CHK"] = not (T % k["BL"] == 0 and p % k["TP"] == 0 and n == k["NT"])
-    BL = k["BL"]
-    kc = chunk_cb_constants(L, BL)
-    chunk_cb = _step((cdiv(T, BL) * (L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
-                     (n, kc["L"], kc["BL"], kc["TN"]), device)
-    n_ptiles = cdiv(p, k["TP"])
-    chain = _step((num_chunks(T, L) * h * n_ptiles * b, 1, 1), hinted_kernel("chained_scan", dname, L),
-                  (T, b, h, h // g, n_ptiles, int(has_init), has_d, int(has_z),
-                   k["L"], k["BL"], k["TP"], k["NT"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
-    return _ChainPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)), b * h * n_ptiles + 1,
-                      chunk_cb, chain)
-
-
-def chained_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx):
-    """y and the final state of chunk_scan through the chained kernel (chained.py), for chain_can_run's chunk
-    sizes and dstates."""
-    b, T, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    L, dev = dt_out.shape[-1], x.device
-    mma_dtype = _common_dtype(x, B, C, z)
-    Dk, has_d = _d_arg(D, x)
-    plan = _chain_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None,
-                       initial_states is not None, has_d, z is not None, dev)
-    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
-    xk = _as(x, mma_dtype)
-    init = _as(initial_states, torch.float32) if initial_states is not None else None
-    y, final_states = _run_chain(plan, xk, _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32),
-                                 _as(B, mma_dtype), _as(C, mma_dtype), init, Dk,
-                                 _as(z, mma_dtype) if z is not None else xk, seq)
-    return (y if y.dtype == x.dtype else y.to(x.dtype)), final_states
-
-
-def _run_chain(plan: _ChainPlan, xk, dtk, csk, Bk, Ck, init, Dk, zk, seq, cb=None, sync=None, go=Step.launch):
-    """The chained scan's buffers allocated (C . B^T's and the flags and ticket unless given as cb and sync; sync
-    is zeroed here) and its launches (C . B^T, then the chain) made by go, on arguments in the kernels' form (init:
-    float32 initial states or None). Returns y (xk's dtype) and the final states."""
-    b, _, h, p = xk.shape
-    n, dev = Bk.shape[3], xk.device
-    if cb is None:
-        cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=dev)
-    if sync is None:
-        sync = torch.zeros((plan.sync_elems,), dtype=torch.int32, device=dev)
-    else:
-        sync.zero_()
-    go(plan.chunk_cb, (Ck, Bk, cb))
-    y = torch.empty(xk.shape, dtype=xk.dtype, device=dev)
-    final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
-    flags = sync[1:].view(b, h, (plan.sync_elems - 1) // (b * h))
-    go(plan.chain, (xk, dtk, csk, Bk, Ck, cb, Dk, zk, seq, init if init is not None else final_states, final_states,
-                    flags, sync[:1], y))
-    return y, final_states
 
 
 # ---- a whole eager forward, planned once per signature ----
@@ -1230,16 +1133,14 @@ class ForwardPlan(NamedTuple):
     go: object = None     # _Resolved
     sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (states and out
                           # planned at it), else 0
-    chain: object = None  # _ChainPlan of the chain path (states and out None then; scratch: dt_out, dA_cumsum,
-                          # cb, the chain's flags and ticket)
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
     """The ForwardPlan of a forward without seq_idx on these inputs (validated, contiguous), or None for now: a
     profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
-    A plan whose `out` and `chain` are None says the call must take the launchers one by one: inputs the kernels
-    take only after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as
-    the configuration. The chain path is planned as chunk_cumsum, chunk_cb and the chain (`chain`). A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
+    A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
+    after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as the
+    configuration. A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
     chunk_cumsum at the caller's chunk size, `rechunk` (a few PyTorch operations), then the states and y at the
     configuration's chunk size."""
     if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -1261,26 +1162,19 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
             return None  # the launchers' path may search now
         config, from_default = (default, True) if found is None else (found, False)
     sub = config.get("chunk", L)
-    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
-    cs_shape = cumsum_shape(b, T, h, L)
-    _, has_d = _d_arg(D, x)
-    if config["path"] == "chain" and chain_can_run(L, n):
-        chain = _chain_plan(b, T, h, p, g, n, L, _dtype_name(x.dtype), False, initial_states is not None, has_d,
-                            z is not None, dev)
-        layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
-                                          (chain.cb_dtype, chain.cb_shape), (torch.int32, (chain.sync_elems,))))
-        return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, None, None, None, layout, nbytes,
-                           _Resolved(), 0, chain)
     if config["path"] != "split" or (L % sub and sub % L):
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
     entering = _scan_entering_dtype(x.dtype)
     states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None, config.get("state_block"),
                          entering is not None, entering, dev)
+    _, has_d = _d_arg(D, x)
     out = _out_plan(b, T, h, p, g, n, sub, dname, False, entering if entering is not None else states.local_dtype,
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
+    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
+    cs_shape = cumsum_shape(b, T, h, L)
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
                                       (states.local_dtype, states.states_shape),
                                       (entering, states.states_shape) if states.separate else None,
@@ -1327,7 +1221,7 @@ def planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, d
         if len(_FORWARD_PLANS) >= 1024:
             _FORWARD_PLANS.clear()
         _FORWARD_PLANS[sig] = fp
-    if fp.out is None and fp.chain is None:
+    if fp.out is None:
         return None
     if call_key is not None:
         if len(CALL_PLANS) >= 1024:
@@ -1345,18 +1239,13 @@ CALL_PLANS: dict = {}
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
     same launches, buffers and bits as the launchers give (with a sub-chunk configuration, the same rechunk
-    between them), or of chunk_cumsum and the chain path."""
-    views = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
+    between them)."""
+    dt_out, dA_cumsum, local, entering, cb = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
     go = fp.go
-    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, views[:2], go)
-    seq = _dummy(x, torch.int32, 2)
-    if fp.chain is not None:
-        dt_out, dA_cumsum, cb, sync = views
-        return _run_chain(fp.chain, x, dt_out, dA_cumsum, B, C, initial_states, _d_arg(D, x)[0],
-                          z if z is not None else x, seq, cb, sync, go)
-    dt_out, dA_cumsum, local, entering, cb = views
+    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
     if fp.sub_chunk:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, fp.sub_chunk, x.shape[1])
+    seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
                                        (local, entering), go)
     y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,

@@ -28,7 +28,6 @@ import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
 from . import index_width, launch, launch_bwd
-from .chained import chained_scan_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
@@ -120,7 +119,6 @@ _KERNELS = {
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
-    "chained_scan": chained_scan_kernel,
     "chunk_cumsum_bwd": chunk_cumsum_bwd_kernel,
     "state_passing_bwd": state_passing_bwd_kernel,
     "state_carry_grad": state_carry_grad_kernel,
@@ -173,10 +171,6 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 3), _a(F32, 3), _a(dt, 4), _a(dt, 4), _a(I32, 2), _a(F32, 5), _a(F32, 2),
                 _a(dt, 4), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
-    if kernel_name == "chained_scan":
-        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(cb_dtype, 5), _a(F32, 2), _a(dt, 4),
-                _a(I32, 2), _a(F32, 4), _a(F32, 4), _a(I32, 3), _a(I32, 1), _a(dt, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_cumsum_bwd":
         return (_a(F32, 4), _a(F32, 4), _a(dt, 3), _a(F32, 1), _a(F32, 1), _a(dt, 3), _a(F32, 3), _a(F32, 3),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -253,14 +247,6 @@ def all_specs() -> list[Spec]:
                 k = launch.segment_constants(nt, has_seq)
                 for name in ("segment_state", "segment_out"):
                     out.append(Spec(name, dt, k, _params(name, dt)))
-    # Chained scan: per chunk size it is built for, state tile, seq_idx and bounds checking (launch.chain_can_run).
-    for dt in INPUT_DTYPES:
-        for L in launch.CHAIN_CHUNKS:
-            cbd = launch.cb_dtype_name(dt)
-            for nt, has_seq, check in itertools.product(launch.CHAIN_NTS, (False, True), (True, False)):
-                out.append(Spec("chained_scan", dt, launch.chained_scan_constants(L, nt, dt, has_seq, check),
-                                _params("chained_scan", dt, cb_dtype=cbd), _hints("chained_scan", dt, L),
-                                dtypes=(("cb", cbd),) if cbd != F32 else ()))
     # state_passing also writes the entering states to their own array in each dtype besides float32 that
     # compute_out reads them in (launch.entering_dtype_names).
     separate = sorted({d for dt in INPUT_DTYPES for d in launch.entering_dtype_names(dt)} - {F32})
