@@ -75,6 +75,15 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
         assert sorted(c["chunk"] for c in cs if "chunk" in c) == subs
     _, cs = launch.chunk_scan_configs(1, 100, 80, 64, 128, 128, cpu)
     assert sorted(c["chunk"] for c in cs if "chunk" in c) == [64]
+    # without search a caller's 64 or 128 runs on chunks of 256 from SUPER_CHUNK_DEFAULT_SEQLEN tokens on (measured
+    # faster there), its own chunk size below; 256 stays 256
+    for L in (64, 128):
+        long_default, cs = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN, 80, 64, 128, L, cpu)
+        assert long_default == {"path": "split", "state_block": launch.forward_state_block(), "chunk": 256}
+        assert long_default in cs
+        short_default, _ = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN - 1, 80, 64, 128, L, cpu)
+        assert "chunk" not in short_default
+    assert "chunk" not in launch.chunk_scan_configs(1, 65536, 80, 64, 128, 256, cpu)[0]
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
     assert default["path"] == "split" and all(c["path"] == "split" for c in cands)

@@ -853,6 +853,14 @@ def _launchers_forward(case):
     return launch.chunk_scan(x, dt_out, cs, B, C, init, D, z, None)
 
 
+def _launchers_forward_at(case, chunk):
+    """chunk_cumsum and chunk_scan's two-op path (state block 512) called at `chunk`: what a ForwardPlan made for a
+    configuration at that chunk size runs."""
+    x, dt, A, B, C, _, D, z, bias, init, softplus, dt_min, dt_max = _forward_args(case)
+    dt_out, cs = launch.chunk_cumsum(dt, A, bias, chunk, softplus, dt_min, dt_max)
+    return launch._chunk_scan_with({"path": "split", "state_block": 512}, x, dt_out, cs, B, C, init, D, z, None)
+
+
 @pytest.mark.parametrize("opts", [
     dict(dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300, chunk_size=256),
     dict(dtype=torch.bfloat16, D="hp", seqlen=130, chunk_size=64),
@@ -1014,23 +1022,29 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y2, fin2 = launch.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 1024}
             assert torch.equal(y, y2) and torch.equal(fin, fin2)  # the block only splits the same work
-            # a sub-chunk configuration: planned (chunk_cumsum at 64, rechunked, the rest at 32), with the bits
-            # of the launchers under the same entry
+            # a sub-chunk configuration: planned at 32 throughout (chunk_cumsum included), with the bits of the
+            # launchers called at 32, and within rounding of the launchers' own path under the same entry
+            # (chunk_cumsum at 64, rechunked)
             store({"path": "split", "state_block": 512, "chunk": 32})
             y3, fin3 = launch.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 512, "chunk": 32}
             (fp,) = launch._FORWARD_PLANS.values()
             assert fp.sub_chunk == 32 and fp.states.states_shape[1] == launch.num_chunks(200, 32)
-            y4, fin4 = _launchers_forward(case)
+            assert fp.cumsum_shape[2:] == (launch.num_chunks(200, 32), 32)
+            y4, fin4 = _launchers_forward_at(case, 32)
             assert torch.equal(y3, y4) and torch.equal(fin3, fin4)
+            y4r, fin4r = _launchers_forward(case)
+            assert rel_err(y3, y4r) <= 1e-5 and rel_err(fin3, fin4r) <= 1e-5  # the cumulative sums' rounding
             assert rel_err(y3, y) <= 2e-2 and rel_err(fin3, fin) <= 2e-2  # another chunking: rounding apart
-            # a super-chunk configuration likewise (chunk_cumsum at 64, carried into chunks of 256)
+            # a super-chunk configuration likewise (chunk_cumsum at 256, not carried over from 64)
             store({"path": "split", "state_block": 512, "chunk": 256})
             y5, fin5 = launch.planned_forward(*a)
             (fp,) = launch._FORWARD_PLANS.values()
-            assert fp.sub_chunk == 256 and fp.states.states_shape[1] == 1
-            y6, fin6 = _launchers_forward(case)
+            assert fp.sub_chunk == 256 and fp.states.states_shape[1] == 1 and fp.cumsum_shape[2:] == (1, 256)
+            y6, fin6 = _launchers_forward_at(case, 256)
             assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
+            y6r, fin6r = _launchers_forward(case)
+            assert rel_err(y5, y6r) <= 1e-5 and rel_err(fin5, fin6r) <= 1e-5
             assert rel_err(y5, y) <= 2e-2 and rel_err(fin5, fin) <= 2e-2
             store({"path": "fused", "ppsm": 4})
             assert launch.planned_forward(*a) is None and plan_config() is None

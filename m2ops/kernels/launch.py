@@ -862,6 +862,8 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
+    if not fused and super_chunk_by_default(chunk_size, seqlen):
+        default = {"path": "split", "state_block": blk, "chunk": SUPER_CHUNK}
     candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
                    if c < chunk_size and chunk_size % c == 0]
@@ -954,6 +956,14 @@ SUB_CHUNKS = (64, 128)
 # to write and pass. At 128 against 256 the call was up to 1.5x slower from 16K up on an H200 (nineteenth
 # session, docs/benchmarks.md).
 SUPER_CHUNK = 256
+# From this many tokens the default (no search) for a caller's chunk of 64 or 128 is the two-op path on chunks of
+# SUPER_CHUNK: on an H200 the tuner chose it at every point where it was searched (16K and 64K tokens x dstate 64
+# and 128 at a caller's chunk of 128, twentieth session), where the caller's chunk was 1.12-1.41x slower.
+SUPER_CHUNK_DEFAULT_SEQLEN = 16384
+
+
+def super_chunk_by_default(chunk_size: int, seqlen: int) -> bool:
+    return chunk_size < SUPER_CHUNK and SUPER_CHUNK % chunk_size == 0 and seqlen >= SUPER_CHUNK_DEFAULT_SEQLEN
 
 
 def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
@@ -1131,8 +1141,8 @@ class ForwardPlan(NamedTuple):
     scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
     scratch_bytes: int = 0
     go: object = None     # _Resolved
-    sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (states and out
-                          # planned at it), else 0
+    sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (every step planned at
+                          # it), else 0
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
@@ -1140,9 +1150,10 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     profiling override is set, CUDA-graph capture is on, or chunk_scan's tuning may still search this shape.
     A plan whose `out` is None says the call must take the launchers one by one: inputs the kernels take only
     after a conversion (other dtypes, or x, B, C, z of different dtypes), or chunk_scan's fused path as the
-    configuration. A configuration at another chunk size (sub- or super-chunks) is planned as chunk_scan runs it:
-    chunk_cumsum at the caller's chunk size, `rechunk` (a few PyTorch operations), then the states and y at the
-    configuration's chunk size."""
+    configuration. A configuration at another chunk size (sub- or super-chunks) is planned at that chunk size
+    throughout, chunk_cumsum included: the launchers' path, which receives chunk_cumsum's output at the caller's
+    chunk size, re-cuts it with `rechunk` (several PyTorch operations), so the two agree up to the rounding of the
+    cumulative sums."""
     if _profiling_override() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     b, T, h, p = x.shape
@@ -1173,8 +1184,8 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
-    cumsum = _cumsum_plan(b, T, h, L, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
-    cs_shape = cumsum_shape(b, T, h, L)
+    cumsum = _cumsum_plan(b, T, h, sub, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
+    cs_shape = cumsum_shape(b, T, h, sub)
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
                                       (states.local_dtype, states.states_shape),
                                       (entering, states.states_shape) if states.separate else None,
@@ -1238,13 +1249,11 @@ CALL_PLANS: dict = {}
 
 def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
-    same launches, buffers and bits as the launchers give (with a sub-chunk configuration, the same rechunk
-    between them)."""
+    same launches, buffers and bits as the launchers give (with a configuration at another chunk size, those of the
+    launchers called at that chunk size: forward_plan)."""
     dt_out, dA_cumsum, local, entering, cb = _scratch_views(fp.scratch, fp.scratch_bytes, x.device)
     go = fp.go
     _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
-    if fp.sub_chunk:
-        dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, fp.sub_chunk, x.shape[1])
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
                                        (local, entering), go)
