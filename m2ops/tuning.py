@@ -8,8 +8,9 @@ under CUDA-graph capture or torch.compile never search and use the default).
     python -m m2ops.tuning --seqlens 4096,16384 --dstates 64,128 --nheads 80 --headdim 64
 
 What is tuned (m2ops.kernels.launch.chunk_scan_configs): the path of the chunk_scan op (the fwd_pass_state
-and compute_out kernels at each state-pass block size, or the fused segment kernels at several segment
-counts). Results are keyed by GPU, cuda-tile and tileiras versions, dtype and shape class, in
+and compute_out kernels at each state-pass block size, on sub-chunks of 64 or 128, or, for a caller's chunk of 64
+or 128, on chunks of 256, which is also the default from 16K tokens; or the fused segment kernels at several
+segment counts). Results are keyed by GPU, cuda-tile and tileiras versions, dtype and shape class, in
 M2OPS_TUNING_CACHE (default ~/.cache/m2ops/tuning.json); M2OPS_AUTOTUNE=0 turns searching off and
 M2OPS_TUNE_BUDGET_S (default 20) bounds the seconds a new shape class may spend.
 """
