@@ -83,6 +83,10 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
         assert long_default in cs
         short_default, _ = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN - 1, 80, 64, 128, L, cpu)
         assert "chunk" not in short_default
+        # (not for the eager training forward, whose backward reuses states kept at the caller's chunk size)
+        kept_default, kept_cs = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN, 80, 64, 128, L, cpu,
+                                                          keep_states=True)
+        assert "chunk" not in kept_default and long_default in kept_cs
     assert "chunk" not in launch.chunk_scan_configs(1, 65536, 80, 64, 128, 256, cpu)[0]
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)

@@ -847,13 +847,17 @@ def chunk_scan_shape_key(x, chunk_size: int, B, z, D, seq_idx) -> str:
             f"|seq{int(seq_idx is not None)}|D{int(D is not None)}|z{int(z is not None)}")
 
 
-def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device) -> tuple[dict, list]:
+def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, device,
+                       keep_states: bool = False) -> tuple[dict, list]:
     """(default, candidates) for chunk_scan: the default is the launcher's own choice (no search); the
     candidates are the two-op path at every state_passing block size, the two-op path on sub-chunks of
     SUB_CHUNKS and, for a caller's chunk below SUPER_CHUNK, on chunks of SUPER_CHUNK (the chunk size is the
     kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
     the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
-    compile the kernels at that size when they are timed (the search's budget counts that time too)."""
+    compile the kernels at that size when they are timed (the search's budget counts that time too).
+    keep_states (the eager training forward, which keeps the entering states for its backward only at the
+    caller's chunk size): the default stays at the caller's chunk size, since on chunks of SUPER_CHUNK the
+    backward would recompute the states, and that trade was not measured."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -862,7 +866,7 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     fused = use_segments(chunk_size, dstate, per_seg)
     default = ({"path": "fused", "ppsm": SEGMENT_PROGRAMS_PER_SM} if fused
                else {"path": "split", "state_block": blk})
-    if not fused and super_chunk_by_default(chunk_size, seqlen):
+    if not fused and not keep_states and super_chunk_by_default(chunk_size, seqlen):
         default = {"path": "split", "state_block": blk, "chunk": SUPER_CHUNK}
     candidates = [{"path": "split", "state_block": b_} for b_ in STATE_BLOCKS]
     candidates += [{"path": "split", "state_block": blk, "chunk": c} for c in SUB_CHUNKS
@@ -938,7 +942,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
         return (*out, None) if keep_states else out
     b, T, h, p = x.shape
     n = B.shape[3]
-    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device)
+    default, candidates = _kept_scan_configs(b, T, h, p, n, L, x.device, keep_states)
     config = default
     if _tuned(x):
         def run(cfg):
