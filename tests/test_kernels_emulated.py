@@ -1029,7 +1029,7 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             y3, fin3 = launch.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 512, "chunk": 32}
             (fp,) = launch._FORWARD_PLANS.values()
-            assert fp.sub_chunk == 32 and fp.states.states_shape[1] == launch.num_chunks(200, 32)
+            assert fp.states.states_shape[1] == launch.num_chunks(200, 32)
             assert fp.cumsum_shape[2:] == (launch.num_chunks(200, 32), 32)
             y4, fin4 = _launchers_forward_at(case, 32)
             assert torch.equal(y3, y4) and torch.equal(fin3, fin4)
@@ -1040,7 +1040,7 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             store({"path": "split", "state_block": 512, "chunk": 256})
             y5, fin5 = launch.planned_forward(*a)
             (fp,) = launch._FORWARD_PLANS.values()
-            assert fp.sub_chunk == 256 and fp.states.states_shape[1] == 1 and fp.cumsum_shape[2:] == (1, 256)
+            assert fp.states.states_shape[1] == 1 and fp.cumsum_shape[2:] == (1, 256)
             y6, fin6 = _launchers_forward_at(case, 256)
             assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
             y6r, fin6r = _launchers_forward(case)

@@ -1145,8 +1145,6 @@ class ForwardPlan(NamedTuple):
     scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
     scratch_bytes: int = 0
     go: object = None     # _Resolved
-    sub_chunk: int = 0    # a configuration's own chunk size, below or above the caller's (every step planned at
-                          # it), else 0
 
 
 def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
@@ -1195,7 +1193,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                                       (entering, states.states_shape) if states.separate else None,
                                       (out.cb_dtype, out.cb_shape)))
     return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, states, entering, out, layout, nbytes,
-                       _Resolved(), sub if sub != L else 0)
+                       _Resolved())
 
 
 def forward_plan_current(fp: ForwardPlan) -> bool:
