@@ -88,6 +88,7 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
                                                           keep_states=True)
         assert "chunk" not in kept_default and long_default in kept_cs
     assert "chunk" not in launch.chunk_scan_configs(1, 65536, 80, 64, 128, 256, cpu)[0]
+    assert "chunk" not in launch.chunk_scan_configs(1, 65536, 80, 64, 128, 32, cpu)[0]  # (32: not measured)
     # dstate 256: the fused kernels cannot run, so they are no candidates
     default, cands = launch.chunk_scan_configs(1, 16384, 80, 64, 256, 256, cpu)
     assert default["path"] == "split" and all(c["path"] == "split" for c in cands)

@@ -964,10 +964,14 @@ SUPER_CHUNK = 256
 # SUPER_CHUNK: on an H200 the tuner chose it at every point where it was searched (16K and 64K tokens x dstate 64
 # and 128 at a caller's chunk of 128, twentieth session), where the caller's chunk was 1.12-1.41x slower.
 SUPER_CHUNK_DEFAULT_SEQLEN = 16384
+SUPER_CHUNK_DEFAULT_CHUNKS = (64, 128)
 
 
 def super_chunk_by_default(chunk_size: int, seqlen: int) -> bool:
-    return chunk_size < SUPER_CHUNK and SUPER_CHUNK % chunk_size == 0 and seqlen >= SUPER_CHUNK_DEFAULT_SEQLEN
+    """Whether the default runs a caller's chunk_size on chunks of SUPER_CHUNK: 64 and 128 (measured slower than
+    256 from 16K tokens: 128 above; 64 at 64K tokens, dstate 64, 2.249 against 1.234 ms, docs/performance-log.md
+    v29), not the smaller sizes, which were not measured."""
+    return chunk_size in SUPER_CHUNK_DEFAULT_CHUNKS and seqlen >= SUPER_CHUNK_DEFAULT_SEQLEN
 
 
 def rechunk(dt_out, dA_cumsum, chunk: int, seqlen: int):
