@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import ops
-from .ops import eager
+from .ops import dispatch, eager
 from .meta.validate import check_inputs, check_values, seq_idx_from_cu_seqlens, should_check_values
 
 
@@ -17,7 +17,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         dt: (batch, seqlen, nheads) step sizes, before dt_bias / softplus / dt_limit.
         A: (nheads,) decay rates (negative for a stable state).
         B, C: (batch, seqlen, ngroups, dstate); ngroups divides nheads, head k reads group k // (nheads/ngroups).
-        chunk_size: tokens per chunk (any positive int; seqlen need not be a multiple of it).
+        chunk_size: tokens per chunk (any positive int; seqlen need not be a multiple of it). On a GPU the
+            kernels run a chunk_size of 64 or 128 on chunks of 256 from 16K tokens (faster there; the results
+            differ only by rounding).
         D: optional skip connection, (nheads,) or (nheads, headdim).
         z: optional gate like x: the output is multiplied by silu(z).
         dt_bias: optional (nheads,) added to dt first.
@@ -50,16 +52,19 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
     dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
+    # The chunk size the kernels run at (a caller's 64 or 128 on long sequences runs on chunks of 256): chosen
+    # here, ahead of chunk_cumsum, so that nothing downstream re-cuts its output.
+    run_chunk = dispatch.kernel_chunk_size(chunk_size, seqlen, x.device)
 
     if not return_varlen_states and eager.applies(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
         if key is None:  # (no plan kept yet: this may be the first)
             key = eager.call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, first=True)
-        y, final_states = eager.scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+        y, final_states = eager.scan_combined(x, dt, A, B, C, run_chunk, D, z, dt_bias, initial_states, seq_idx,
                                               dt_softplus, dt_min, dt_max, key)
         return (y, final_states) if return_final_states else y
 
-    dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    dt_out, dA_cumsum = ops.chunk_cumsum(dt, A, dt_bias, run_chunk, dt_softplus, dt_min, dt_max)
     if return_varlen_states:
         # Per-sequence final states are read from the per-chunk states: the two-op path keeps them.
         states, final_states, varlen_states = ops.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states,

@@ -61,12 +61,14 @@ def pretune(shapes, dtype=torch.bfloat16, device="cuda") -> list[dict]:
                            f"{torch.cuda.is_available()})")
     from . import mamba_chunk_scan_combined
     from .kernels import autotune, launch
+    from .ops import dispatch
     out = []
     for shape in shapes:
         kw = _inputs(shape, dtype, device)
         mamba_chunk_scan_combined(**kw)
         torch.cuda.synchronize(device)
-        key = launch.chunk_scan_shape_key(kw["x"], kw["chunk_size"], kw["B"], kw["z"], kw["D"], kw.get("seq_idx"))
+        chunk = dispatch.kernel_chunk_size(kw["chunk_size"], kw["x"].shape[1], device)  # (what the call tuned)
+        key = launch.chunk_scan_shape_key(kw["x"], chunk, kw["B"], kw["z"], kw["D"], kw.get("seq_idx"))
         out.append(dict(shape=shape, key=key,
                         config=autotune.lookup(autotune.full_key("chunk_scan", key, device.index or 0))))
     return out

@@ -57,6 +57,28 @@ def test_budget_stops_the_search_after_the_default(tmp_path):
 
 # ---- the tuner wired into the chunk_scan launcher (no GPU needed for these) ----
 
+def test_kernel_chunk_size(monkeypatch):
+    """The chunk size the public function runs a call at: a caller's 64 or 128 on chunks of 256 from
+    SUPER_CHUNK_DEFAULT_SEQLEN tokens where the kernels serve the device; the caller's own elsewhere (other
+    sizes, shorter sequences, the CPU reference, a device the kernels do not serve)."""
+    pytest.importorskip("cuda.tile")
+    import torch
+    from m2ops.kernels import launch
+    from m2ops.ops import dispatch
+    T, cuda = launch.SUPER_CHUNK_DEFAULT_SEQLEN, torch.device("cuda", 0)
+    assert dispatch.kernel_chunk_size(128, T, torch.device("cpu")) == 128
+    monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: device_type == "cuda")
+    for L in (64, 128):
+        assert dispatch.kernel_chunk_size(L, T, cuda) == launch.SUPER_CHUNK == 256
+        assert dispatch.kernel_chunk_size(L, 4 * T, cuda) == 256
+        assert dispatch.kernel_chunk_size(L, T - 1, cuda) == L
+    for L in (16, 32, 96, 256, 512):
+        assert dispatch.kernel_chunk_size(L, 4 * T, cuda) == L
+    assert dispatch.kernel_chunk_size(128, T, torch.device("cpu")) == 128
+    monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: False)
+    assert dispatch.kernel_chunk_size(128, T, cuda) == 128
+
+
 def test_chunk_scan_configs_default_and_candidates(monkeypatch):
     pytest.importorskip("cuda.tile")
     import torch
@@ -83,7 +105,8 @@ def test_chunk_scan_configs_default_and_candidates(monkeypatch):
         assert long_default in cs
         short_default, _ = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN - 1, 80, 64, 128, L, cpu)
         assert "chunk" not in short_default
-        # (not for the eager training forward, whose backward reuses states kept at the caller's chunk size)
+        # (not for a training forward given that chunk size, whose backward reuses states kept at it; the public
+        # function gives it 256 already, ops.dispatch.kernel_chunk_size)
         kept_default, kept_cs = launch.chunk_scan_configs(1, launch.SUPER_CHUNK_DEFAULT_SEQLEN, 80, 64, 128, L, cpu,
                                                           keep_states=True)
         assert "chunk" not in kept_default and long_default in kept_cs

@@ -169,3 +169,25 @@ def test_module_with_parameters_dynamic():
             for a, w in zip(g_got, g_want):
                 torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
     assert counter.frame_count >= 1
+
+
+def test_kernel_chunk_size_is_a_trace_constant():
+    """The public function's choice of the chunk size the kernels run at (ops.dispatch.kernel_chunk_size) traces
+    in fullgraph mode with a symbolic sequence length: whether the kernels serve the device is a constant of the
+    trace, and for a chunk size of 128 the sequence length is guarded on. (On this machine the kernels serve no
+    CUDA device, so the answer is the caller's chunk size either way.)"""
+    import warnings
+
+    from m2ops.ops import dispatch
+
+    def fn(x):
+        return x * dispatch.kernel_chunk_size(128, x.shape[1], torch.device("cuda", 0))
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (use_kernels says once why the reference runs)
+        for T in (40, 77, 130):
+            x = torch.ones(1, T)
+            torch.testing.assert_close(compiled(x), fn(x))
+    assert counter.frame_count == 1

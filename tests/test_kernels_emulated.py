@@ -521,6 +521,57 @@ def test_eager_training_on_super_chunks(monkeypatch):
         assert torch.equal(leaves[name].grad, leaves0[name].grad), name
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_public_call_runs_long_sequences_on_super_chunks(monkeypatch, train):
+    """The public function, where the kernels serve it, runs a caller's chunk of 64 on long sequences at
+    launch.SUPER_CHUNK from chunk_cumsum on (ops.dispatch.kernel_chunk_size): the same bits, y, final state and
+    every gradient, as the eager path called at that chunk size, and nothing re-cut (launch.rechunk unused);
+    within rounding of the reference at the caller's chunk. The threshold is lowered to this test's 300
+    tokens; the CUDA path runs on CPU tensors through the emulator."""
+    from m2ops import mamba_chunk_scan_combined
+    from m2ops.ops import dispatch, eager
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=7,
+                     dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300)
+    monkeypatch.setattr(launch, "SUPER_CHUNK_DEFAULT_SEQLEN", 300)
+    monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: True)
+    monkeypatch.setattr(eager, "applies", lambda *t: eager.context_allows(t))  # the CUDA path on CPU tensors
+    monkeypatch.setattr(launch, "rechunk", lambda *a: pytest.fail("rechunk ran"))
+    assert dispatch.kernel_chunk_size(64, 300, case["x"].device) == launch.SUPER_CHUNK
+    gen = torch.Generator().manual_seed(7)
+    cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
+           torch.randn(case["initial_states"].shape, generator=gen))
+
+    def run(public):
+        leaves = {k: case[k].detach().requires_grad_(train) for k in EAGER_LEAVES if case[k] is not None}
+        a = {**case, **leaves}
+        with emulated_kernels():
+            if public:
+                y, fin = mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 64, D=a["D"], z=a["z"],
+                                                   dt_bias=a["dt_bias"], initial_states=a["initial_states"],
+                                                   dt_softplus=True, return_final_states=True)
+            else:
+                y, fin = eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], launch.SUPER_CHUNK, a["D"],
+                                             a["z"], a["dt_bias"], a["initial_states"], None, True, 0.0,
+                                             float("inf"))
+            if train:
+                torch.autograd.backward((y, fin), cot)
+        return y, fin, leaves
+
+    chunks = []
+    real_scan = eager.scan_combined
+    monkeypatch.setattr(eager, "scan_combined", lambda *a: chunks.append(a[5]) or real_scan(*a))
+    y, fin, leaves = run(True)
+    assert chunks == [launch.SUPER_CHUNK]  # the eager path, given the chunk size it runs at
+    y1, fin1, leaves1 = run(False)
+    assert torch.equal(y, y1) and torch.equal(fin, fin1)
+    for name in leaves:
+        assert (leaves[name].grad is None) == (not train), name
+        if train:
+            assert torch.equal(leaves[name].grad, leaves1[name].grad), name
+    y_r, fin_r, _, _ = reference_forward(case)
+    assert rel_err(y, y_r) <= TOL["y"][torch.bfloat16] and rel_err(fin, fin_r) <= TOL["states"][torch.bfloat16]
+
+
 def test_eager_path_names_its_steps_in_the_profiler():
     """Under the profiler the direct path runs each launcher inside a record_function of its op's name, so a
     trace shows the same m2ops:: steps as through the custom ops (forward and backward)."""

@@ -96,9 +96,10 @@ def m2ops_choice(inputs: dict, chunk_size: int) -> dict:
     holds one under the key of _forward's call; a worker serves several points, so other points' plans are there
     too)."""
     from m2ops.kernels import autotune, launch
-    from m2ops.ops import eager
+    from m2ops.ops import dispatch, eager
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(x, chunk_size, B, None, D, None),
+    chunk = dispatch.kernel_chunk_size(chunk_size, x.shape[1], x.device)  # the chunk size the kernels ran at
+    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(x, chunk, B, None, D, None),
                             x.device.index or 0)
     found = autotune.lookup(key)
     # _forward's call with mamba_chunk_scan_combined's defaults spelled out (first: the key whether or not any

@@ -598,7 +598,8 @@ def _step(grid, kernel, tail, device) -> Step:
 def _knobs() -> tuple:
     return (CB_IN_BF16, STATES_IN_BF16, LOCAL_STATES_IN_BF16, CHUNK_STATE_TN, CHUNK_STATE_SMALL_TN, PDL,
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
-            SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK)
+            SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
+            SUPER_CHUNK_DEFAULT_CHUNKS)
 
 
 def _profiling_override() -> bool:
@@ -855,9 +856,11 @@ def chunk_scan_configs(batch, seqlen, nheads, headdim, dstate, chunk_size, devic
     kernels' unit of parallel work; y and the final state do not depend on it but through rounding) and, where
     the fused kernels can run, the fused path at several segment counts. Candidates at another chunk size
     compile the kernels at that size when they are timed (the search's budget counts that time too).
-    keep_states (the eager training forward, which keeps the entering states for its backward only at the
-    caller's chunk size): the default stays at the caller's chunk size, since on chunks of SUPER_CHUNK the
-    backward would recompute the states, and that trade was not measured."""
+    The public function already runs a caller's 64 or 128 at SUPER_CHUNK from SUPER_CHUNK_DEFAULT_SEQLEN tokens
+    (ops.dispatch.kernel_chunk_size, before chunk_cumsum), so the super-chunk default below serves the ops called
+    directly at those chunk sizes. keep_states (a training forward, which keeps the entering states for its
+    backward only at the chunk size it was given): the default stays at that size, since on chunks of
+    SUPER_CHUNK the backward would recompute the states."""
     k = segment_constants(dstate, False)
     n_ptiles = cdiv(headdim, k["TP"])
     n_blocks = cdiv(seqlen, k["BL"])
@@ -960,8 +963,9 @@ SUB_CHUNKS = (64, 128)
 # to write and pass. At 128 against 256 the call was up to 1.5x slower from 16K up on an H200 (nineteenth
 # session, docs/benchmarks.md).
 SUPER_CHUNK = 256
-# From this many tokens the default (no search) for a caller's chunk of 64 or 128 is the two-op path on chunks of
-# SUPER_CHUNK: on an H200 the tuner chose it at every point where it was searched (16K and 64K tokens x dstate 64
+# From this many tokens a caller's chunk of 64 or 128 runs on chunks of SUPER_CHUNK by default (the public function
+# decides it before chunk_cumsum: ops.dispatch.kernel_chunk_size; chunk_scan_configs' default for the ops called
+# directly): on an H200 the tuner chose it at every point where it was searched (16K and 64K tokens x dstate 64
 # and 128 at a caller's chunk of 128, twentieth session), where the caller's chunk was 1.12-1.41x slower.
 SUPER_CHUNK_DEFAULT_SEQLEN = 16384
 SUPER_CHUNK_DEFAULT_CHUNKS = (64, 128)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import warnings
 
+import torch
+
 from .. import envvars
 
 FORCE_REFERENCE_ENV = "M2OPS_FORCE_REFERENCE"
@@ -39,6 +41,26 @@ def use_kernels(device) -> bool:
         return True
     _warn_once(index, reason)
     return False
+
+
+@torch.compiler.assume_constant_result
+def _kernels_serve(device_type: str, device_index: int) -> bool:
+    """Whether the kernels serve the device (use_kernels, on CUDA only), as a constant of a torch.compile trace
+    (dynamo would otherwise trace into the cached lookup and warn about it); the answer cannot change within a
+    process."""
+    return device_type == "cuda" and use_kernels(torch.device("cuda", device_index))
+
+
+def kernel_chunk_size(chunk_size: int, seqlen: int, device) -> int:
+    """The chunk size a call of the caller's chunk_size runs at on device: where the kernels serve it, chunks of
+    launch.SUPER_CHUNK for a caller's 64 or 128 from launch.SUPER_CHUNK_DEFAULT_SEQLEN tokens (measured faster
+    on an H200; y, the final state and the gradients depend on the chunk size only through rounding), else
+    chunk_size. Decided once, before chunk_cumsum, so that every path (eager, torch.compile, CUDA graphs,
+    training, whose backward reuses states kept at the forward's chunk size) runs at that size throughout."""
+    if not _kernels_serve(device.type, device.index if device.index is not None else 0):
+        return chunk_size
+    from ..kernels import launch
+    return launch.SUPER_CHUNK if launch.super_chunk_by_default(chunk_size, seqlen) else chunk_size
 
 
 @functools.lru_cache(maxsize=None)
