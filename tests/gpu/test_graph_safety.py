@@ -55,3 +55,54 @@ def test_compiled_call_does_not_recompile_for_new_data():
     for a, b in zip(outs[-1], expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def test_long_sequences_at_chunk_128_run_on_chunks_of_256(monkeypatch):
+    """From launch.SUPER_CHUNK_DEFAULT_SEQLEN tokens a call at chunk 128 runs at 256 from chunk_cumsum on
+    (ops.dispatch.kernel_chunk_size), on every path: eager, torch.compile (fullgraph), a CUDA graph's replay
+    and training give the bits of the same call at chunk 256, and y stays within tolerance of the reference at
+    128."""
+    from gpu_cases import TOL, reference_forward, rel_err
+    from m2ops.kernels import launch
+    monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
+    T = launch.SUPER_CHUNK_DEFAULT_SEQLEN
+    case = make_case(dtype=torch.bfloat16, chunk_size=128, seqlen=T, nheads=8, ngroups=2, headdim=64, dstate=64,
+                     D="h", z=True, initial_states=True, seed=4)
+    at256 = {**case, "chunk_size": 256}
+    assert dispatch.kernel_chunk_size(128, T, case["x"].device) == 256
+    want = public_call(at256)
+    for got in (public_call(case), public_call(case)):  # (the second through the remembered plan)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda c: m2ops.mamba_chunk_scan_combined(**c, return_final_states=True),
+                             fullgraph=True)
+    for a, b in zip(compiled(case), want):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        public_call(case)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = public_call(case)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, want):
+        assert torch.equal(a, b)
+
+    def grads(c):
+        leaves = {k: c[k].detach().requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "z", "initial_states")}
+        y, fin = public_call({**c, **leaves})
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        (y.float() * torch.randn(y.shape, device="cuda", generator=gen)).sum().add(fin.sum()).backward()
+        return {k: v.grad for k, v in leaves.items()}
+    g128, g256 = grads(case), grads(at256)
+    for k in g128:
+        assert torch.equal(g128[k], g256[k]), k
+    y_r, fin_r, _, _ = reference_forward({**case, "x": case["x"].float(), "B": case["B"].float(),
+                                          "C": case["C"].float(), "z": case["z"].float()})
+    assert rel_err(want[0], y_r) <= TOL["y"][torch.bfloat16]
+    assert rel_err(want[1], fin_r) <= TOL["states"][torch.bfloat16]
