@@ -18,7 +18,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         A: (nheads,) decay rates (negative for a stable state).
         B, C: (batch, seqlen, ngroups, dstate); ngroups divides nheads, head k reads group k // (nheads/ngroups).
         chunk_size: tokens per chunk (any positive int; seqlen need not be a multiple of it). On a GPU the
-            kernels run a chunk_size of 64 or 128 on chunks of 256 from 16K tokens (faster there; the results
+            kernels run a chunk_size of 64 or 128 on chunks of 256 from 4K tokens (faster there; the results
             differ only by rounding).
         D: optional skip connection, (nheads,) or (nheads, headdim).
         z: optional gate like x: the output is multiplied by silu(z).

@@ -966,8 +966,10 @@ SUPER_CHUNK = 256
 # From this many tokens a caller's chunk of 64 or 128 runs on chunks of SUPER_CHUNK by default (the public function
 # decides it before chunk_cumsum: ops.dispatch.kernel_chunk_size; chunk_scan_configs' default for the ops called
 # directly): on an H200 the tuner chose it at every point where it was searched (16K and 64K tokens x dstate 64
-# and 128 at a caller's chunk of 128, twentieth session), where the caller's chunk was 1.12-1.41x slower.
-SUPER_CHUNK_DEFAULT_SEQLEN = 16384
+# and 128 at a caller's chunk of 128, twentieth session; 4K and 8K x dstate 64 and 128, twenty-first session). The
+# default's forward at 4K-8K tokens, dstate 64-512, is 1.24-1.83x faster at 256 than at 128 (graph replays,
+# twenty-first session); forward+backward at 8K 1.07-1.28x faster, at 4K 1.13x slower (host-bound there).
+SUPER_CHUNK_DEFAULT_SEQLEN = 4096
 SUPER_CHUNK_DEFAULT_CHUNKS = (64, 128)
 
 
