@@ -975,8 +975,8 @@ SUPER_CHUNK_DEFAULT_CHUNKS = (64, 128)
 
 def super_chunk_by_default(chunk_size: int, seqlen: int) -> bool:
     """Whether the default runs a caller's chunk_size on chunks of SUPER_CHUNK: 64 and 128 (measured slower than
-    256 from 16K tokens: 128 above; 64 at 64K tokens, dstate 64, 2.249 against 1.234 ms, docs/performance-log.md
-    v29), not the smaller sizes, which were not measured."""
+    256: 128 from 4K to 64K tokens, above; 64 at 64K tokens, dstate 64, 2.249 against 1.234 ms,
+    docs/performance-log.md v29), not the smaller sizes, which were not measured."""
     return chunk_size in SUPER_CHUNK_DEFAULT_CHUNKS and seqlen >= SUPER_CHUNK_DEFAULT_SEQLEN
 
 

@@ -137,6 +137,21 @@ def reference_forward(case, return_varlen=False):
     return y, final, varlen, dict(dt_out=dt_out, dA_cumsum=cs, states=states)
 
 
+def captured(fn, warmup=1):
+    """(graph, out): fn captured in a CUDA graph, after warmup calls on a side stream (kernels compiled and the
+    allocator warmed outside the capture); out holds the graph's outputs, which each graph.replay() rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def public_call(case, return_final_states=True, return_varlen_states=False):
     from m2ops import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined(**case, return_final_states=return_final_states,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import captured, make_case, public_call  # noqa: E402
 
 import m2ops  # noqa: E402
 from m2ops.ops import dispatch  # noqa: E402
@@ -80,14 +80,7 @@ def test_long_sequences_at_chunk_128_run_on_chunks_of_256(monkeypatch):
     for a, b in zip(compiled(case), want):
         assert torch.equal(a, b)
     torch._dynamo.reset()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        public_call(case)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = public_call(case)
+    graph, out = captured(lambda: public_call(case))
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(out, want):

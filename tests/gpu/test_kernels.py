@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import (CHUNK_SIZES, DTYPES, STRIDE_CLASSES, TOL, kernels_or_reason, make_case,  # noqa: E402
+from gpu_cases import (CHUNK_SIZES, DTYPES, STRIDE_CLASSES, TOL, captured, kernels_or_reason, make_case,  # noqa: E402
                        poison_allocator, public_call, reference_forward, rel_err, sweep_settings)
 
 import m2ops  # noqa: E402
@@ -243,14 +243,7 @@ def test_cuda_graph_capture_matches_eager():
     case = _graph_case(0)
     eager = public_call(case)                     # also compiles the kernels, outside the capture
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        public_call(case)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_out = public_call(case)
+    g, static_out = captured(lambda: public_call(case))
     g.replay()
     torch.cuda.synchronize()
     for a, b in zip(static_out, eager):

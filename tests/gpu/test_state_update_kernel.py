@@ -36,7 +36,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import STRIDE_CLASSES, kernels_or_reason, poison_allocator, rel_err, sweep_settings  # noqa: E402
+from gpu_cases import (STRIDE_CLASSES, captured, kernels_or_reason, poison_allocator, rel_err,  # noqa: E402
+                       sweep_settings)
 
 from m2ops.reference import state_update as ref  # noqa: E402
 
@@ -271,14 +272,7 @@ def test_cuda_graph_decode_steps():
             ys.append(y)
         return torch.stack(ys)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode()  # compiles before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ys_out = decode()
+    graph, ys_out = captured(decode)  # (compiled before the capture)
 
     for seed in (1, 2):
         state, seq, _ = fresh(seed)
