@@ -15,24 +15,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("M2OPS_AUTOTUNE", "1")
 from gpu_cases import public_call, scan_case  # noqa: E402
+from launch_cost import host_us  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 from m2ops.bench.timing import median_ms  # noqa: E402
 from m2ops.kernels import launch  # noqa: E402
-
-
-def host_us(fn, n=50):
-    """Issue time per call while the GPU sleeps (the host never waits on the GPU)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9 * 0.05))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = 1e6 * (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    return us
 
 
 def main():
@@ -40,7 +28,7 @@ def main():
     ap.add_argument("--shape", default="4K:64")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
-    os.environ["M2OPS_AUTOTUNE"] = "1"
+    os.environ["M2OPS_AUTOTUNE"] = "1"  # after gpu_cases, which turns tuning off for the other scripts
     t_s, n_s = args.shape.split(":")
     case = scan_case(parse_sizes(t_s)[0], int(n_s), 256)
     plans = [0]
@@ -64,7 +52,7 @@ def main():
             gc.disable()
         p0 = plans[0]
         ms = median_ms(fn, device="cuda")
-        us = host_us(fn)
+        us = host_us(fn, 50, per_call_s=500e-6)
         print(f"[{args.label}] {step}: eager {ms:.3f} ms, host {us:.1f} us/call, new plans {plans[0] - p0}, "
               f"CALL_PLANS {len(launch.CALL_PLANS)}", flush=True)
     gc.enable()
