@@ -159,6 +159,26 @@ def test_bench_rejects_bad_gpu_lists():
             parse_args(["--gpus", bad])
 
 
+def test_bench_runs_a_peer_only_at_its_points(tmp_path):
+    """--peer-points: m2ops-default at one point of the grid, m2ops at all of them."""
+    results, table = _bench(tmp_path, "--peers", "m2ops,m2ops-default", "--seqlens", "64,100",
+                            "--peer-points", "m2ops-default=100:16")
+    assert sorted((r["peer"], r["shape"]["seqlen"]) for r in results) == [
+        ("m2ops", 64), ("m2ops", 100), ("m2ops-default", 100)]
+    assert all(r["ms"] > 0 for r in results)
+
+
+def test_bench_parses_peer_points():
+    import pytest
+
+    from m2ops.bench.__main__ import parse_args
+    a = parse_args(["--peer-points", "tilegym-tuned=64K:64,16K:128", "--peer-points", "m2ops-default=1K:512"])
+    assert dict(a.peer_points) == {"tilegym-tuned": {(65536, 64), (16384, 128)}, "m2ops-default": {(1024, 512)}}
+    for bad in ("tilegym-tuned", "nobody=1K:64", "tilegym-tuned=64K", "tilegym-tuned=64K:x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--peer-points", bad])
+
+
 def test_bench_backward_check_reports_gradient_errors(tmp_path):
     results, table = _bench(tmp_path, "--peers", "m2ops", "--check", "--backward")
     (r,) = results

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from . import peer_tuning
 from .peers import PEERS
 from .pool import Pool
 from .report import kernels_markdown, markdown, plot
@@ -28,6 +29,23 @@ def _gpu_list(text: str) -> list[str]:
     if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
         raise argparse.ArgumentTypeError(f"expected distinct CUDA device indices such as 0,1; got {text!r}")
     return gpus
+
+
+def _peer_points(text: str) -> tuple[str, set]:
+    """--peer-points PEER=T:N,T:N: the peer runs only at those points of the grid (T with a K suffix or not)."""
+    peer, sep, points = text.partition("=")
+    try:
+        if not sep or peer not in PEERS:
+            raise ValueError
+        out = set()
+        for point in points.split(","):
+            t, n = point.split(":")
+            out.add((parse_sizes(t)[0], parse_sizes(n)[0]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected PEER=T:N[,T:N...] with PEER one of {', '.join(PEERS)}, such as tilegym-tuned=64K:64,16K:128; "
+            f"got {text!r}") from None
+    return peer, out
 
 
 def parse_args(argv=None):
@@ -59,6 +77,12 @@ def parse_args(argv=None):
                         "reference at every point")
     p.add_argument("--backward", action="store_true",
                    help="time forward+backward: gradients of x, dt, A, B, C, D and the initial state")
+    p.add_argument("--peer-points", type=_peer_points, action="append", default=[], metavar="PEER=T:N,...",
+                   help="run PEER only at these points of the grid, e.g. tilegym-tuned=64K:64,16K:128 (repeatable)")
+    p.add_argument("--peer-tuning", default=None, metavar="FILE",
+                   help="tilegym-tuned: take TileGym's search outcomes from FILE where it holds one for the shape, "
+                        "GPU and versions, and add the outcome of every search it runs (a JSON file; see "
+                        "m2ops/bench/peer_tuning.py)")
     p.add_argument("--kernels", action="store_true",
                    help="also record each point's time per kernel (torch profiler, after the timed runs; on the "
                         "CPU per operator) in results.json as kernel_ms, largest first")
@@ -136,6 +160,8 @@ def main(argv=None):
     shapes = grid(a.seqlens, a.dstates, batch=a.batch, nheads=a.nheads, headdim=a.headdim, ngroups=a.ngroups,
                   dtype=a.dtype)
     os.makedirs(a.out, exist_ok=True)
+    if a.peer_tuning:  # read by the tilegym-tuned workers (peers.py)
+        os.environ[peer_tuning.ENV] = os.path.abspath(a.peer_tuning)
     path = os.path.join(a.out, "results.json")
     results = []
     if a.resume and os.path.exists(path):
@@ -143,8 +169,12 @@ def main(argv=None):
             results = json.load(f)
     done = {(r["peer"], r["key"], r.get("mode", "fwd")) for r in results if "ms" in r}
     results = [r for r in results if (r["peer"], r["key"], r.get("mode", "fwd")) in done]
-    rows = collections.deque((s, todo) for s in shapes
-                             for todo in [[p for p in peers if (p, s.key, mode) not in done]] if todo)
+    only = dict(a.peer_points)
+
+    def wanted(p, s):
+        return (p, s.key, mode) not in done and (p not in only or (s.seqlen, s.dstate) in only[p])
+
+    rows = collections.deque((s, todo) for s in shapes for todo in [[p for p in peers if wanted(p, s)]] if todo)
     progress = _Progress(results, path, sum(len(todo) for _, todo in rows))
     lock = threading.Lock()
     gpus = a.gpus

@@ -10,22 +10,27 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+from . import peer_tuning
+
 PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph", "mamba_ssm-c64", "mamba_ssm-c128",
          "mamba_ssm-c256", "tilegym", "tilegym-tuned")
 
 
 def make_inputs(shape, device, seed=0):
     """x, B, C in the shape's dtype; dt (already positive: every peer takes it without softplus), A, D and
-    the initial state in float32 — the protocol of DESIGN.md §4."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    the initial state in float32 — the protocol of DESIGN.md §4. Drawn on the device itself, from a generator
+    seeded there: every peer gets the same values, and a 256K-token point takes milliseconds instead of the
+    8-20 s that drawing 1.3 G values on the host took."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
     b, T, h, p, G, n = shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate
 
     def randn(*s, scale=1.0):
-        return (torch.randn(*s, generator=g) * scale).to(device)
+        return torch.randn(*s, generator=g, device=device) * scale
 
     return dict(x=randn(b, T, h, p).to(dtype), dt=F.softplus(randn(b, T, h) - 3.0),
-                A=-torch.rand(h, generator=g).add(0.5).to(device),
+                A=-torch.rand(h, generator=g, device=device).add(0.5),
                 B=randn(b, T, G, n, scale=n ** -0.5).to(dtype), C=randn(b, T, G, n, scale=n ** -0.5).to(dtype),
                 D=randn(h), initial_states=randn(b, h, p, n, scale=0.1))
 
@@ -61,9 +66,9 @@ GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
 def cotangents(inputs: dict):
     """The fixed cotangents of y and of the final state that every peer's backward receives."""
     x, init = inputs["x"], inputs["initial_states"]
-    g = torch.Generator(device="cpu").manual_seed(1)
-    dout = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
-    dfinal = torch.randn(init.shape, generator=g).to(init.device, init.dtype)
+    g = torch.Generator(device=x.device).manual_seed(1)
+    dout = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+    dfinal = torch.randn(init.shape, generator=g, device=init.device).to(init.dtype)
     return dout, dfinal
 
 
@@ -86,6 +91,8 @@ def _forward(peer, inputs, chunk_size):
         # TileGym's own switch, read when a shape is first launched: untuned takes its first config.
         os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if peer.endswith("tuned") else "1"
         from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
+        if peer.endswith("tuned") and os.environ.get(peer_tuning.ENV):
+            peer_tuning.keep_tilegym_searches(os.environ[peer_tuning.ENV])
         return lambda: mamba2_chunk_forward(x, A, B, C, D, dt, init, chunk_size=64)
     raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
 
