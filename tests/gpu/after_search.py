@@ -51,10 +51,15 @@ def main():
         if step == "gc disabled":
             gc.disable()
         p0 = plans[0]
+        w0, c0 = time.perf_counter(), time.process_time()
         ms = median_ms(fn, device="cuda")
+        # CPU seconds of the whole process per wall second while timing: above 1, other threads of the process
+        # (a compiler, a background worker) were running beside the calls.
+        cpu = (time.process_time() - c0) / (time.perf_counter() - w0)
         us = host_us(fn, 50, per_call_s=500e-6)
         print(f"[{args.label}] {step}: eager {ms:.3f} ms, host {us:.1f} us/call, new plans {plans[0] - p0}, "
-              f"CALL_PLANS {len(launch.CALL_PLANS)}", flush=True)
+              f"CALL_PLANS {len(launch.CALL_PLANS)}, threads {len(os.listdir('/proc/self/task'))}, "
+              f"process CPU per wall s {cpu:.2f}", flush=True)
     gc.enable()
 
 
