@@ -131,3 +131,6 @@ def test_keep_tilegym_searches_wraps_the_module_once(tmp_path, monkeypatch):
     first = peer_tuning.keep_tilegym_searches(str(tmp_path / "kept.json"))
     assert mamba2.exhaustive_search is first and first.real is real
     assert peer_tuning.keep_tilegym_searches(str(tmp_path / "kept.json")) is first  # not wrapped twice
+    assert peer_tuning.search_counts() == {"stored": 0, "searched": 0}
+    _search(first)
+    assert peer_tuning.search_counts() == {"stored": 0, "searched": 1}

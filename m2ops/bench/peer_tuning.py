@@ -15,26 +15,28 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
 from importlib import metadata
+from types import SimpleNamespace
 
 import torch
 
 ENV = "M2OPS_BENCH_PEER_TUNING"  # the file's path, set by the bench for its workers
 
 
-def search_key(kernel, configs, args, device=None) -> str:
+def search_key(kernel, configs, args) -> str:
     """What a search's outcome depends on: the kernel, the configurations searched, the arguments' shapes,
     strides and dtypes (scalars by value) for the first configuration, the GPU and the versions of TileGym,
     cuda-tile and torch."""
     name = getattr(getattr(kernel, "_pyfunc", kernel), "__qualname__", repr(kernel))
     sig = [(tuple(a.shape), tuple(a.stride()), str(a.dtype)) if torch.is_tensor(a) else repr(a) for a in args]
     return json.dumps({"kernel": name, "configs": [repr(c) for c in configs], "args": sig,
-                       "gpu": _gpu_name(device), "versions": _versions()}, sort_keys=True)
+                       "gpu": _gpu_name(), "versions": _versions()}, sort_keys=True)
 
 
-def _gpu_name(device):
-    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+def _gpu_name():
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _versions() -> dict:
@@ -45,13 +47,6 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
-
-
-class _Chosen:
-    """What a caller of exhaustive_search reads from its result: .best.config (and .best.mean_us)."""
-
-    def __init__(self, config, mean_us):
-        self.best = type("Best", (), {"config": config, "mean_us": mean_us})()
 
 
 class KeptSearches:
@@ -70,7 +65,8 @@ class KeptSearches:
             for cfg in configs:
                 if repr(cfg) == kept["config"]:
                     self.counts["stored"] += 1
-                    return _Chosen(cfg, kept.get("mean_us"))
+                    # what a caller of exhaustive_search reads from its result
+                    return SimpleNamespace(best=SimpleNamespace(config=cfg, mean_us=kept.get("mean_us")))
         t0 = time.perf_counter()
         result = self.real(configs, stream, grid_fn, kernel, args_fn, hints_fn, **kw)
         entry = {"config": repr(result.best.config), "mean_us": getattr(result.best, "mean_us", None),
@@ -116,3 +112,10 @@ def keep_tilegym_searches(path: str) -> KeptSearches:
         return current
     mamba2.exhaustive_search = KeptSearches(current, path)
     return mamba2.exhaustive_search
+
+
+def search_counts() -> dict:
+    """How many of TileGym's searches this process answered from the file ("stored") and ran ("searched"); zeros
+    while its searches are not routed through one."""
+    kept = getattr(sys.modules.get("tilegym.ops.cutile.mamba2"), "exhaustive_search", None)
+    return dict(kept.counts) if isinstance(kept, KeptSearches) else {"stored": 0, "searched": 0}

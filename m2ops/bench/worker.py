@@ -18,6 +18,7 @@ import traceback
 
 import torch
 
+from . import peer_tuning
 from .peers import build, cotangents, make_inputs
 from .shapes import Shape
 from .timing import median_ms
@@ -27,7 +28,7 @@ def run(job: dict) -> dict:
     shape = Shape(**job["shape"])
     device = torch.device(job.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     inputs = make_inputs(shape, device)
-    counts_before = _search_counts()
+    searches_before = peer_tuning.search_counts()
     t0 = time.perf_counter()
     fn = build(job["peer"], inputs, job["chunk_size"], backward=job.get("backward", False))
     fn()  # compile / tune / capture happen here, outside the timing
@@ -37,7 +38,9 @@ def run(job: dict) -> dict:
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
     out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
     if job["peer"] == "tilegym-tuned":
-        out["tilegym_searches"] = _search_counts(counts_before)
+        # how this point's searches were answered: from --peer-tuning's file, or run
+        after = peer_tuning.search_counts()
+        out["tilegym_searches"] = {k: after[k] - searches_before[k] for k in after}
     if job["peer"].startswith("m2ops") and device.type == "cuda" and not job.get("backward"):
         from .peers import m2ops_choice
         out.update(m2ops_choice(inputs, job["chunk_size"]))
@@ -52,20 +55,6 @@ def run(job: dict) -> dict:
             y, final = fn()
             out.update(errors(inputs, job["chunk_size"], y, final))
     return out
-
-
-def _search_counts(before=None) -> dict:
-    """How many of TileGym's searches this process answered from --peer-tuning's file ("stored") and how many it
-    ran ("searched"), since before; without the file every search runs and is counted by neither."""
-    from . import peer_tuning
-    kept = _kept_searches()
-    now = dict(kept.counts) if isinstance(kept, peer_tuning.KeptSearches) else {"stored": 0, "searched": 0}
-    return now if before is None else {k: now[k] - before[k] for k in now}
-
-
-def _kept_searches():
-    mamba2 = sys.modules.get("tilegym.ops.cutile.mamba2")
-    return getattr(mamba2, "exhaustive_search", None)
 
 
 def _device_name(device):
