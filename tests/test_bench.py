@@ -273,3 +273,36 @@ def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
     assert m2ops_choice(inp, 32)["m2ops_planned"] is True
     assert m2ops_choice(inp, 64)["m2ops_planned"] is False
     autotune.forget()
+
+
+def test_every_peer_has_a_cuda_graph_twin():
+    """Each peer also runs as "<peer>-graph", which calls what the peer calls."""
+    from m2ops.bench.peers import PEERS, eager_name
+    eager = [p for p in PEERS if not p.endswith("-graph")]
+    assert {"m2ops", "mamba_ssm-c128", "tilegym", "tilegym-tuned"} <= set(eager)
+    assert all(p + "-graph" in PEERS for p in eager)
+    assert eager_name("tilegym-tuned-graph") == "tilegym-tuned" and eager_name("tilegym") == "tilegym"
+    assert len(PEERS) == 2 * len(eager)
+
+
+def test_a_graph_peer_is_compared_with_the_m2ops_graph_replay():
+    """Speedups pair eager with eager and graph replay with graph replay; a graph peer without an m2ops replay
+    gets an empty cell, never a ratio against the eager call."""
+    from m2ops.bench.report import markdown
+    shape = dict(seqlen=1024, dstate=64, batch=1, nheads=80, headdim=64, ngroups=1, dtype="bfloat16")
+    times = {"m2ops": 0.20, "m2ops-graph": 0.05, "tilegym": 0.30, "tilegym-graph": 0.10}
+    results = [dict(peer=p, ms=ms, key="k", shape=shape, floor_ms=0.01) for p, ms in times.items()]
+    head, _, row = markdown(results, list(times)).splitlines()
+    cells = dict(zip(head.split(" | "), row.split(" | ")))
+    assert cells["× vs tilegym"] == "1.50" and cells["× m2ops-graph vs tilegym-graph"] == "2.00"
+    no_replay = [r for r in results if r["peer"] != "m2ops-graph"]
+    head, _, row = markdown(no_replay, ["m2ops", "tilegym", "tilegym-graph"]).splitlines()
+    assert dict(zip(head.split(" | "), row.split(" | ")))["× m2ops-graph vs tilegym-graph"] == ""
+
+
+def test_a_graph_peer_without_a_gpu_is_a_recorded_error(tmp_path):
+    """On the CPU a graph twin cannot capture: its row says so, and the eager peer beside it is timed."""
+    results, table = _bench(tmp_path, "--peers", "m2ops,mamba_ssm-c64-graph")
+    by_peer = {r["peer"]: r for r in results}
+    assert by_peer["m2ops"]["ms"] > 0 and "error" in by_peer["mamba_ssm-c64-graph"]
+    assert "× m2ops-graph vs mamba_ssm-c64-graph" in table

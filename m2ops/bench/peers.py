@@ -12,8 +12,16 @@ import torch.nn.functional as F
 
 from . import peer_tuning
 
-PEERS = ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph", "mamba_ssm-c64", "mamba_ssm-c128",
-         "mamba_ssm-c256", "tilegym", "tilegym-tuned")
+_EAGER = ("m2ops", "m2ops-default", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym", "tilegym-tuned")
+# Every peer also as "<peer>-graph": its call captured once in a CUDA graph and the graph replayed. At short
+# sequences an eager call is host-bound (the GPU waits on the Python that issues its launches), so the replays
+# compare the kernels themselves, as a serving stack that captures its model would see them.
+PEERS = tuple(q for p in _EAGER for q in (p, p + "-graph"))
+
+
+def eager_name(peer: str) -> str:
+    """The peer without its "-graph" suffix: what it calls."""
+    return peer[:-len("-graph")] if peer.endswith("-graph") else peer
 
 
 def make_inputs(shape, device, seed=0):
@@ -40,12 +48,12 @@ def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
     the gradients of x, dt, A, B, C, D and the initial state for fixed output cotangents. Raises
     ImportError/RuntimeError when the peer cannot run."""
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    forward = _forward(peer, inputs, chunk_size)
+    forward = _forward(eager_name(peer), inputs, chunk_size)
     if not backward:
         fn = forward
     else:
         dout, dfinal = cotangents(inputs)
-        if peer.startswith("tilegym"):
+        if peer.startswith("tilegym"):  # (and its -graph twins)
             from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward
 
             def fn():  # TileGym's backward takes the forward's inputs; its forward runs first, as in training
@@ -74,8 +82,8 @@ def cotangents(inputs: dict):
 
 def _forward(peer, inputs, chunk_size):
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    if peer in ("m2ops", "m2ops-graph", "m2ops-default", "m2ops-default-graph"):
-        if peer.startswith("m2ops-default"):
+    if peer in ("m2ops", "m2ops-default"):
+        if peer == "m2ops-default":
             # The configuration chosen without search: no tuning, and an empty cache of its own so that no
             # stored winner is read either (each peer has its own worker process, so this stays in it).
             os.environ["M2OPS_AUTOTUNE"] = "0"
@@ -89,9 +97,9 @@ def _forward(peer, inputs, chunk_size):
         return lambda: ms_scan(x, dt, A, B, C, chunk, D=D, initial_states=init, return_final_states=True)
     if peer in ("tilegym", "tilegym-tuned"):
         # TileGym's own switch, read when a shape is first launched: untuned takes its first config.
-        os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if peer.endswith("tuned") else "1"
+        os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if peer == "tilegym-tuned" else "1"
         from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
-        if peer.endswith("tuned") and os.environ.get(peer_tuning.ENV):
+        if peer == "tilegym-tuned" and os.environ.get(peer_tuning.ENV):
             peer_tuning.keep_tilegym_searches(os.environ[peer_tuning.ENV])
         return lambda: mamba2_chunk_forward(x, A, B, C, D, dt, init, chunk_size=64)
     raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")

@@ -18,8 +18,19 @@ def _ratio(r, ours):
     return f"{r['ms'] / ours['ms']:.2f}" if ours and "ms" in ours and r and "ms" in r else ""
 
 
+def ours_for(peer: str) -> str:
+    """The m2ops row a peer's speedup is taken against: a CUDA-graph replay ("-graph") against m2ops's own
+    replay, an eager call against m2ops's eager call."""
+    return "m2ops-graph" if peer.endswith("-graph") else "m2ops"
+
+
+def _speedup_head(peer: str) -> str:
+    return f"× vs {peer}" if ours_for(peer) == "m2ops" else f"× m2ops-graph vs {peer}"
+
+
 def markdown(results: list[dict], peers: list[str]) -> str:
-    """One row per shape: each peer's ms, m2ops's speedup over it, the floor and m2ops's multiple of it."""
+    """One row per shape: each peer's ms, m2ops's speedup over it (ours_for: eager against eager, graph replay
+    against graph replay), the floor and m2ops's multiple of it."""
     by_shape = defaultdict(dict)
     shapes = {}
     for r in results:
@@ -32,7 +43,7 @@ def markdown(results: list[dict], peers: list[str]) -> str:
     # were run, since at short sequences the eager calls are host-bound and scatter more than the tuner gains.
     pair = next((pr for pr in (("m2ops-default-graph", "m2ops-graph"), ("m2ops-default", "m2ops"))
                  if all(p in peers for p in pr)), None)
-    head = (["T", "N"] + [f"{p} ms" for p in peers] + [f"× vs {p}" for p in others]
+    head = (["T", "N"] + [f"{p} ms" for p in peers] + [_speedup_head(p) for p in others]
             + (["default / tuned"] if pair else [])
             + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else [])
             + (["m2ops largest gradient error"] if grads_checked else []))
@@ -42,7 +53,7 @@ def markdown(results: list[dict], peers: list[str]) -> str:
         s = shapes[key]
         ours = row.get("m2ops")
         cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p)) for p in peers]
-        cells += [_ratio(row.get(p), ours) for p in others]
+        cells += [_ratio(row.get(p), row.get(ours_for(p))) for p in others]
         if pair:
             cells.append(_ratio(row.get(pair[0]), row.get(pair[1])))
         floor = s["floor_ms"]
@@ -77,29 +88,35 @@ def kernels_markdown(results: list[dict], peers: list[str], top: int = 6) -> str
 
 
 def plot(results: list[dict], path: str):
-    """Speedup of m2ops over each peer against sequence length, one line per dstate."""
+    """Speedup of m2ops over each peer against sequence length (ours_for), one line per dstate."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ours = {r["key"]: r for r in results if r["peer"] == "m2ops" and "ms" in r}
+    ours = {(r["peer"], r["key"]): r for r in results if r["peer"] in ("m2ops", "m2ops-graph") and "ms" in r}
     others = sorted({r["peer"] for r in results if not r["peer"].startswith("m2ops")})
     if not others:
         return
-    fig, axes = plt.subplots(1, len(others), figsize=(4.5 * len(others), 3.6), squeeze=False)
-    for ax, peer in zip(axes[0], others):
+    cols = min(4, len(others))
+    rows = -(-len(others) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(others):]:
+        ax.set_visible(False)
+    for ax, peer in zip(axes.flat, others):
         lines = defaultdict(list)
         for r in results:
-            if r["peer"] == peer and "ms" in r and r["key"] in ours:
-                lines[r["shape"]["dstate"]].append((r["shape"]["seqlen"], r["ms"] / ours[r["key"]]["ms"]))
+            mine = ours.get((ours_for(peer), r["key"]))
+            if r["peer"] == peer and "ms" in r and mine:
+                lines[r["shape"]["dstate"]].append((r["shape"]["seqlen"], r["ms"] / mine["ms"]))
         for n, pts in sorted(lines.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"dstate {n}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"m2ops speedup over {peer}")
+        ax.set_title(f"{ours_for(peer)} speedup over {peer}", fontsize=9)
         ax.set_xlabel("sequence length")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("× (peer time / m2ops time)")
+    for row in axes:
+        row[0].set_ylabel("× (peer time / m2ops time)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

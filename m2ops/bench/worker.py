@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from . import peer_tuning
-from .peers import build, cotangents, make_inputs
+from .peers import build, cotangents, eager_name, make_inputs
 from .shapes import Shape
 from .timing import median_ms
 
@@ -37,7 +37,7 @@ def run(job: dict) -> dict:
     setup_s = time.perf_counter() - t0
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
     out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
-    if job["peer"] == "tilegym-tuned":
+    if eager_name(job["peer"]) == "tilegym-tuned":
         # how this point's searches were answered: from --peer-tuning's file, or run
         after = peer_tuning.search_counts()
         out["tilegym_searches"] = {k: after[k] - searches_before[k] for k in after}
