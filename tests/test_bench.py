@@ -306,3 +306,16 @@ def test_a_graph_peer_without_a_gpu_is_a_recorded_error(tmp_path):
     by_peer = {r["peer"]: r for r in results}
     assert by_peer["m2ops"]["ms"] > 0 and "error" in by_peer["mamba_ssm-c64-graph"]
     assert "× m2ops-graph vs mamba_ssm-c64-graph" in table
+
+
+def test_every_time_is_given_as_a_multiple_of_the_floor():
+    """Each peer's cell holds its ms and, in parentheses, that time over the point's floor; a failure has none."""
+    from m2ops.bench.report import markdown
+    shape = dict(seqlen=4096, dstate=64, batch=1, nheads=80, headdim=64, ngroups=1, dtype="bfloat16")
+    results = [dict(peer="m2ops", ms=0.100, key="k", shape=shape, floor_ms=0.02),
+               dict(peer="tilegym", ms=0.180, key="k", shape=shape, floor_ms=0.02),
+               dict(peer="mamba_ssm-c128", error="RuntimeError: boom", key="k", shape=shape, floor_ms=0.02)]
+    head, _, row = markdown(results, ["m2ops", "mamba_ssm-c128", "tilegym"]).splitlines()
+    cells = dict(zip(*([c.strip() for c in line.strip("|").split("|")] for line in (head, row))))
+    assert cells["m2ops ms (× floor)"] == "0.100 (5.0)" and cells["tilegym ms (× floor)"] == "0.180 (9.0)"
+    assert cells["mamba_ssm-c128 ms (× floor)"].startswith("fails:") and cells["floor ms"] == "0.02"

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def _fmt_ms(r):
+def _fmt_ms(r, floor=None):
+    """ms, with its multiple of the floor in parentheses where the floor is known."""
     if r is None:
         return ""
     if "error" in r:
         return "fails: " + r["error"].replace("|", "/")[:60]
-    return f"{r['ms']:.3f}"
+    return f"{r['ms']:.3f}" + (f" ({r['ms'] / floor:.1f})" if floor else "")
 
 
 def _ratio(r, ours):
@@ -29,8 +30,8 @@ def _speedup_head(peer: str) -> str:
 
 
 def markdown(results: list[dict], peers: list[str]) -> str:
-    """One row per shape: each peer's ms, m2ops's speedup over it (ours_for: eager against eager, graph replay
-    against graph replay), the floor and m2ops's multiple of it."""
+    """One row per shape: each peer's ms and its multiple of the floor, m2ops's speedup over it (ours_for: eager
+    against eager, graph replay against graph replay), and the floor."""
     by_shape = defaultdict(dict)
     shapes = {}
     for r in results:
@@ -43,21 +44,21 @@ def markdown(results: list[dict], peers: list[str]) -> str:
     # were run, since at short sequences the eager calls are host-bound and scatter more than the tuner gains.
     pair = next((pr for pr in (("m2ops-default-graph", "m2ops-graph"), ("m2ops-default", "m2ops"))
                  if all(p in peers for p in pr)), None)
-    head = (["T", "N"] + [f"{p} ms" for p in peers] + [_speedup_head(p) for p in others]
+    head = (["T", "N"] + [f"{p} ms (× floor)" for p in peers] + [_speedup_head(p) for p in others]
             + (["default / tuned"] if pair else [])
-            + ["floor ms", "m2ops / floor"] + (["m2ops error y / final"] if checked else [])
+            + ["floor ms"] + (["m2ops error y / final"] if checked else [])
             + (["m2ops largest gradient error"] if grads_checked else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, row in sorted(by_shape.items(), key=lambda kv: (shapes[kv[0]]["shape"]["seqlen"],
                                                              shapes[kv[0]]["shape"]["dstate"])):
         s = shapes[key]
         ours = row.get("m2ops")
-        cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p)) for p in peers]
+        floor = s["floor_ms"]
+        cells = [_t(s["shape"]["seqlen"]), str(s["shape"]["dstate"])] + [_fmt_ms(row.get(p), floor) for p in peers]
         cells += [_ratio(row.get(p), row.get(ours_for(p))) for p in others]
         if pair:
             cells.append(_ratio(row.get(pair[0]), row.get(pair[1])))
-        floor = s["floor_ms"]
-        cells += [f"{floor:.3g}", f"{ours['ms'] / floor:.1f}" if ours and "ms" in ours else ""]
+        cells.append(f"{floor:.3g}")
         if checked:
             cells.append(f"{ours['err_y']:.1e} / {ours['err_final']:.1e}" if ours and "err_y" in ours else "")
         if grads_checked:
