@@ -11,16 +11,15 @@ then exactly those TileGym would run after its own search in a long-lived proces
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import sys
 import time
 from importlib import metadata
 from types import SimpleNamespace
 
 import torch
+
+from .. import jsonstore
 
 ENV = "M2OPS_BENCH_PEER_TUNING"  # the file's path, set by the bench for its workers
 
@@ -71,13 +70,7 @@ class KeptSearches:
         result = self.real(configs, stream, grid_fn, kernel, args_fn, hints_fn, **kw)
         entry = {"config": repr(result.best.config), "mean_us": getattr(result.best, "mean_us", None),
                  "search_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
-        with _locked(self.path):
-            table = _read(self.path)
-            table[key] = entry
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+        jsonstore.update(self.path, key, entry, _read)  # (workers on several GPUs may store at once)
         self.counts["searched"] += 1
         return result
 
@@ -91,17 +84,6 @@ def _read(path: str) -> dict:
     if not isinstance(table, dict):
         raise ValueError(f"{path}: expected a JSON object of kept searches, got {type(table).__name__}")
     return table
-
-
-@contextlib.contextmanager
-def _locked(path: str):
-    # Workers on several GPUs (--gpus) may store at once: one writer at a time, each rereading the file.
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def keep_tilegym_searches(path: str) -> KeptSearches:

@@ -23,12 +23,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable, Sequence
 
-from .. import envvars
+from .. import envvars, jsonstore
 
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}  # this process's view of the file, plus its own results
@@ -93,23 +92,22 @@ def _version(dist: str) -> str:
 
 
 def _load() -> dict:
+    return _read(cache_path())
+
+
+def _read(path: str) -> dict:
+    """The cache file's table; {} where it is missing or not a JSON object (a damaged cache is rebuilt)."""
     try:
-        with open(cache_path()) as f:
-            return json.load(f)
+        with open(path) as f:
+            data = json.load(f)
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _store(key: str, entry: dict) -> None:
-    """Read-merge-write through a temporary file and rename, so concurrent processes never see half a file."""
-    path = cache_path()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data = _load()
-    data[key] = entry
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tuning-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    """Add entry to the file, keeping what other processes stored meanwhile (jsonstore: locked, replaced whole)."""
+    jsonstore.update(cache_path(), key, entry, _read)
 
 
 def _stamp(path):
