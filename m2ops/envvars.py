@@ -41,3 +41,19 @@ def seconds(name: str, default: float) -> float:
     if not value >= 0.0:  # (also rejects nan)
         raise error
     return value
+
+
+def mebibytes(name: str, default: float) -> int:
+    """A non-negative size in MiB from the variable name (default when unset or empty), as bytes; else
+    ValueError."""
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return int(default * 2 ** 20)
+    error = ValueError(f"{name}={raw!r}: expected a size in MiB >= 0")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise error from None
+    if not value >= 0.0:
+        raise error
+    return int(value * 2 ** 20)

@@ -217,3 +217,56 @@ def test_layer_decode_step_takes_the_aligned_state_update_build(monkeypatch, rms
     tiled = [seen[k] for k in ("state", "x", "B", "C", "z") if seen[k] is not None]
     assert not all(t.is_contiguous() for t in tiled[1:])  # views into the projections, as on the GPU
     assert launch.rows_of_16_bytes(*tiled)
+
+
+def test_scratch_is_kept_per_stream_and_thread_never_under_capture(monkeypatch):
+    """_planned_scratch: a CUDA call's scratch views are kept for the next call with the same layout on the same
+    stream from the same thread; another stream, another thread or another layout gets its own; under graph
+    capture, and for a scratch larger than the budget, nothing is kept; the least recently used entries go when
+    the kept total passes the budget; clear_plans forgets them. (Allocation and streams stubbed: the CPU machine
+    has no CUDA; tests/gpu/test_graph_safety.py runs the real thing.)"""
+    import threading
+    from types import SimpleNamespace
+    made = []
+    monkeypatch.setattr(launch, "_scratch_views", lambda layout, total, device: made.append(total) or (object(),))
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(launch, "_stream_handle", lambda: stream[0])
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0], raising=False)
+    monkeypatch.setattr(launch, "SCRATCH_KEEP_BYTES", 1000)
+    launch.clear_plans()
+    cuda = SimpleNamespace(type="cuda")
+
+    def plan(nbytes):
+        return SimpleNamespace(scratch=(("layout", nbytes),), scratch_bytes=nbytes)
+
+    a, b = plan(400), plan(500)
+    first = launch._planned_scratch(a, cuda)
+    assert launch._planned_scratch(a, cuda) is first and made == [400]
+    assert launch.kept_scratch_bytes() == 400
+    stream[0] = 8
+    other_stream = launch._planned_scratch(a, cuda)
+    assert other_stream is not first and len(made) == 2
+    stream[0] = 7
+    assert launch._planned_scratch(a, cuda) is first  # (now stream 8's entry is the least recently used)
+    got = []
+    t = threading.Thread(target=lambda: got.append(launch._planned_scratch(a, cuda)))
+    t.start()
+    t.join()
+    assert got[0] is not first and len(made) == 3
+    # 3 x 400 kept would pass 1000: the least recently used (stream 8's) went when the thread's came
+    assert launch.kept_scratch_bytes() == 800
+    assert launch._planned_scratch(a, cuda) is first
+    capturing[0] = True
+    assert launch._planned_scratch(a, cuda) is not first and launch._planned_scratch(b, cuda) is not first
+    assert len(made) == 5 and launch.kept_scratch_bytes() == 800
+    capturing[0] = False
+    launch._planned_scratch(plan(1001), cuda)  # over the budget by itself: never kept
+    assert launch.kept_scratch_bytes() == 800
+    launch._planned_scratch(b, cuda)  # a new layout: kept, and the oldest entries go to make room
+    assert launch.kept_scratch_bytes() <= 1000 and launch._planned_scratch(b, cuda) is not None
+    n = len(made)
+    assert launch._planned_scratch(plan(400), cuda) is not first and len(made) == n + 1  # same size, other layout
+    launch._planned_scratch(a, torch.device("cpu"))  # off the GPU: never kept
+    assert len(made) == n + 2
+    launch.clear_plans()
+    assert launch.kept_scratch_bytes() == 0

@@ -99,3 +99,84 @@ def test_long_sequences_at_chunk_128_run_on_chunks_of_256(monkeypatch):
                                           "C": case["C"].float(), "z": case["z"].float()})
     assert rel_err(want[0], y_r) <= TOL["y"][torch.bfloat16]
     assert rel_err(want[1], fin_r) <= TOL["states"][torch.bfloat16]
+
+
+def test_kept_scratch_under_streams_threads_and_graphs(monkeypatch):
+    """The planned path keeps each call's scratch for the next call on the same stream and thread
+    (launch._planned_scratch). Calls issued back to back without a sync, on two streams at once, from two threads
+    on one stream, and eager calls between replays of a graph captured after scratch was kept, all give the bits
+    of the same calls made one at a time with nothing kept."""
+    import threading
+
+    from m2ops.kernels import launch
+    monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
+    cases = [make_case(dtype=torch.bfloat16, chunk_size=256, seqlen=1024, nheads=8, headdim=64, dstate=64, D="h",
+                       z=True, initial_states=True, dt_bias=True, seed=s) for s in range(4)]
+    with torch.no_grad():
+        monkeypatch.setattr(launch, "SCRATCH_KEEP_BYTES", 0)
+        launch.clear_plans()
+        want = []
+        for c in cases:
+            want.append(public_call(c))
+            torch.cuda.synchronize()
+        monkeypatch.setattr(launch, "SCRATCH_KEEP_BYTES", 64 << 20)
+        launch.clear_plans()
+
+        def same(got, k):
+            for a, b in zip(got, want[k]):
+                assert torch.equal(a, b), k
+
+        outs = [public_call(cases[k % 4]) for k in range(12)]  # back to back on one stream
+        assert launch.kept_scratch_bytes() > 0
+        torch.cuda.synchronize()
+        for k, o in enumerate(outs):
+            same(o, k % 4)
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        got = {0: [], 1: []}
+        for k in range(6):
+            for i, s in enumerate(streams):
+                with torch.cuda.stream(s):
+                    got[i].append(public_call(cases[i]))
+        torch.cuda.synchronize()
+        for i in (0, 1):
+            for o in got[i]:
+                same(o, i)
+        results, errors = {2: [], 3: []}, []
+
+        def worker(i):
+            try:
+                for _ in range(6):
+                    results[i].append(public_call(cases[i]))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in (2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        torch.cuda.synchronize()
+        assert not errors
+        for i in (2, 3):
+            for o in results[i]:
+                same(o, i)
+        # A graph captured on a stream whose eager calls keep scratch, replayed on another stream while eager calls
+        # continue on the first: the graph must own its scratch.
+        s = streams[0]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            public_call(cases[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = public_call(cases[0])
+        torch.cuda.synchronize()
+        eager = []
+        for _ in range(6):
+            graph.replay()  # on the current stream
+            with torch.cuda.stream(s):
+                eager.append(public_call(cases[1]))
+        torch.cuda.synchronize()
+        same(out, 0)
+        for o in eager:
+            same(o, 1)
