@@ -53,6 +53,18 @@ def test_seconds(monkeypatch):
             envvars.seconds("M2OPS_SOME_SECONDS", 20.0)
 
 
+def test_mebibytes(monkeypatch):
+    monkeypatch.delenv("M2OPS_SOME_MB", raising=False)
+    assert envvars.mebibytes("M2OPS_SOME_MB", 64) == 64 << 20
+    for raw, want in (("1", 1 << 20), (" 0.5 ", 1 << 19), ("0", 0)):
+        monkeypatch.setenv("M2OPS_SOME_MB", raw)
+        assert envvars.mebibytes("M2OPS_SOME_MB", 64) == want
+    for bad in ("-1", "nan", "lots", "64MB"):
+        monkeypatch.setenv("M2OPS_SOME_MB", bad)
+        with pytest.raises(ValueError, match="M2OPS_SOME_MB=.*: expected a size in MiB >= 0"):
+            envvars.mebibytes("M2OPS_SOME_MB", 64)
+
+
 def test_switches_read_at_each_call(monkeypatch):
     """M2OPS_AUTOTUNE, M2OPS_TUNE_BUDGET_S, M2OPS_CHECK_VALUES and M2OPS_FORCE_REFERENCE take every spelling,
     and a bad value is an error at the call."""
