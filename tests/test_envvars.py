@@ -41,28 +41,22 @@ def test_switch_rejects_other_values_by_name(monkeypatch, bad):
         envvars.switch("M2OPS_SOME_SWITCH", True)
 
 
-def test_seconds(monkeypatch):
-    monkeypatch.delenv("M2OPS_SOME_SECONDS", raising=False)
-    assert envvars.seconds("M2OPS_SOME_SECONDS", 20.0) == 20.0
-    for raw, want in (("5", 5.0), (" 0.5 ", 0.5), ("0", 0.0)):
-        monkeypatch.setenv("M2OPS_SOME_SECONDS", raw)
-        assert envvars.seconds("M2OPS_SOME_SECONDS", 20.0) == want
+@pytest.mark.parametrize("read, default, good, message", [
+    (envvars.seconds, 20.0, (("5", 5.0), (" 0.5 ", 0.5), ("0", 0.0)), "expected a number of seconds >= 0"),
+    (envvars.mebibytes, 64 << 20, (("1", 1 << 20), (" 0.5 ", 1 << 19), ("0", 0)), "expected a size in MiB >= 0"),
+])
+def test_numbers(monkeypatch, read, default, good, message):
+    """seconds and mebibytes: the default when unset, the value (in bytes for mebibytes), or an error naming the
+    variable for a negative, nan or non-numeric value."""
+    monkeypatch.delenv("M2OPS_SOME_NUMBER", raising=False)
+    assert read("M2OPS_SOME_NUMBER", 20.0 if read is envvars.seconds else 64) == default
+    for raw, want in good:
+        monkeypatch.setenv("M2OPS_SOME_NUMBER", raw)
+        assert read("M2OPS_SOME_NUMBER", 1) == want
     for bad in ("-1", "nan", "ten", "5s"):
-        monkeypatch.setenv("M2OPS_SOME_SECONDS", bad)
-        with pytest.raises(ValueError, match="M2OPS_SOME_SECONDS=.*: expected a number of seconds >= 0"):
-            envvars.seconds("M2OPS_SOME_SECONDS", 20.0)
-
-
-def test_mebibytes(monkeypatch):
-    monkeypatch.delenv("M2OPS_SOME_MB", raising=False)
-    assert envvars.mebibytes("M2OPS_SOME_MB", 64) == 64 << 20
-    for raw, want in (("1", 1 << 20), (" 0.5 ", 1 << 19), ("0", 0)):
-        monkeypatch.setenv("M2OPS_SOME_MB", raw)
-        assert envvars.mebibytes("M2OPS_SOME_MB", 64) == want
-    for bad in ("-1", "nan", "lots", "64MB"):
-        monkeypatch.setenv("M2OPS_SOME_MB", bad)
-        with pytest.raises(ValueError, match="M2OPS_SOME_MB=.*: expected a size in MiB >= 0"):
-            envvars.mebibytes("M2OPS_SOME_MB", 64)
+        monkeypatch.setenv("M2OPS_SOME_NUMBER", bad)
+        with pytest.raises(ValueError, match=f"M2OPS_SOME_NUMBER=.*: {message}"):
+            read("M2OPS_SOME_NUMBER", 1)
 
 
 def test_switches_read_at_each_call(monkeypatch):
