@@ -28,12 +28,13 @@ def switch(name: str, default):
     raise ValueError(f"{name}={raw!r}: expected 1 or 0 (or true/false, on/off, yes/no), or unset for the default")
 
 
-def seconds(name: str, default: float) -> float:
-    """A non-negative number of seconds from the variable name, default when unset or empty; else ValueError."""
+def _non_negative(name: str, what: str):
+    """The variable's value as a float >= 0, or None when unset or empty; else ValueError naming it and what it
+    should be."""
     raw = os.environ.get(name, "")
     if raw.strip() == "":
-        return default
-    error = ValueError(f"{name}={raw!r}: expected a number of seconds >= 0")
+        return None
+    error = ValueError(f"{name}={raw!r}: expected {what} >= 0")
     try:
         value = float(raw)
     except ValueError:
@@ -43,17 +44,14 @@ def seconds(name: str, default: float) -> float:
     return value
 
 
+def seconds(name: str, default: float) -> float:
+    """A non-negative number of seconds from the variable name, default when unset or empty; else ValueError."""
+    value = _non_negative(name, "a number of seconds")
+    return default if value is None else value
+
+
 def mebibytes(name: str, default: float) -> int:
     """A non-negative size in MiB from the variable name (default when unset or empty), as bytes; else
     ValueError."""
-    raw = os.environ.get(name, "")
-    if raw.strip() == "":
-        return int(default * 2 ** 20)
-    error = ValueError(f"{name}={raw!r}: expected a size in MiB >= 0")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise error from None
-    if not value >= 0.0:
-        raise error
-    return int(value * 2 ** 20)
+    value = _non_negative(name, "a size in MiB")
+    return int((default if value is None else value) * 2 ** 20)

@@ -1148,15 +1148,16 @@ def _scratch_views(layout, total, device) -> tuple:
 
 
 # A planned call's scratch kept for the next call with the same layout on the same stream from the same thread,
-# instead of a fresh allocation and five views (about 10-15 us of the H200's host per call, where an eager call
-# at T <= 4K waits on the host). Safe because the kernels of consecutive calls on one stream run in order (PDL
+# instead of a fresh allocation and five views (13-37 us of the H200's host per call at 1K-4K tokens, where an
+# eager call waits on the host: tests/gpu/scratch_keep.py, docs/performance-log.md v33). Safe because the kernels of consecutive calls on one stream run in order (PDL
 # only overlaps a kernel's launch: every forward kernel waits for the one before it before any load or store),
 # and nothing outside the call ever sees the scratch (y and the final states are fresh each call). Per thread,
 # since two threads issuing on one stream would interleave their launches. Never under CUDA-graph capture (a
 # graph would bake in the kept buffers, which later eager calls overwrite). Least recently used entries go once
 # the kept total passes M2OPS_SCRATCH_KEEP_MB (default 64; 0 keeps none).
 SCRATCH_KEEP_BYTES = envvars.mebibytes("M2OPS_SCRATCH_KEEP_MB", 64)
-_KEPT_SCRATCH: collections.OrderedDict = collections.OrderedDict()  # (layout id, stream, thread) -> (layout, views)
+# (id of the layout, stream, thread) -> (layout, views, bytes), least recently used first
+_KEPT_SCRATCH: collections.OrderedDict = collections.OrderedDict()
 _KEPT_LOCK = threading.Lock()
 
 
