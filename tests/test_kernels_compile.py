@@ -123,6 +123,7 @@ def test_specialisations_are_enumerated():
     assert len(names) == len(set(names))
     kinds = {s.kernel_name for s in specs}
     assert kinds == {"chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
+                     "compute_out_carry",
                      "state_update", "segment_state", "segment_out", "chunk_cumsum_bwd", "state_passing_bwd", "state_carry_grad",
                      "chunk_state_bwd_x", "chunk_state_bwd_b", "out_bwd_dx", "out_bwd_dcbw",
                      "out_bwd_dcdb", "out_bwd_dstates"}

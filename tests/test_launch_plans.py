@@ -62,22 +62,26 @@ def test_plan_is_kept_and_follows_switches_and_overrides(recorded, monkeypatch):
     assert _state_launch(recorded)[2][6 + 8] == launch.chunk_state_tn(64)
 
 
-def test_dummies_are_shared_and_d_per_head_is_a_view(recorded):
+@pytest.mark.parametrize("carry", [False, True])
+def test_dummies_are_shared_and_d_per_head_is_a_view(recorded, monkeypatch, carry):
+    """For both of compute_out's kernels (D, z, seq_idx and has_d sit at the same places in each)."""
+    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
+    name = "compute_out_carry_kernel" if carry else "compute_out_kernel"
     x, B, dt_out, cs = _inputs()
     states = torch.zeros(1, 2, 4, 16, 64, dtype=torch.bfloat16)
     D = torch.rand(4)
     launch.compute_out(x, dt_out, cs, B, B, states, D, None, None)
     launch.compute_out(x, dt_out, cs, B, B, states, D, None, None)
-    a, b = [c[2] for c in recorded if c[0] == "compute_out_kernel"]
+    a, b = [c[2] for c in recorded if c[0] == name]
     assert a[8] is b[8]  # seq_idx absent: the same dummy each call
     Dk, has_d = a[6], a[15]
     assert has_d == 1 and Dk.shape == (4, 1) and Dk.data_ptr() == D.data_ptr()  # no copy
     Dhp = torch.rand(4, 16)
     launch.compute_out(x, dt_out, cs, B, B, states, Dhp, None, None)
-    c = [c[2] for c in recorded if c[0] == "compute_out_kernel"][-1]
+    c = [c[2] for c in recorded if c[0] == name][-1]
     assert c[15] == 2 and c[6].shape == (4, 16)
     launch.compute_out(x, dt_out, cs, B, B, states, None, None, None)
-    assert [c[2] for c in recorded if c[0] == "compute_out_kernel"][-1][15] == 0
+    assert [c[2] for c in recorded if c[0] == name][-1][15] == 0
 
 
 def test_tuning_file_is_reread_only_when_it_changes(tmp_path, monkeypatch):

@@ -5,8 +5,12 @@
     state_passing.py   state_passing_kernel   chunk-entering and final states, in place (sequential  } fwd_pass_state
                                               over chunks, parallel over blocks of the state)        } op
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
-    chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks)  } the
-    compute_out.py     compute_out_kernel     y, with D and z fused                                  } compute_out op
+    chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks,  } the
+                                              or the diagonal ones for compute_out_carry)            } compute_out
+    compute_out.py     compute_out_kernel     y, with D and z fused: one program per row block,      } op
+                                              walking the chunk's earlier column blocks              }
+    compute_out_carry.py compute_out_carry_kernel  the same y, one program per chunk carrying the    }
+                                              state through its row blocks (dstate <= 128)           }
     segments.py        segment_state_kernel,  the chunk_scan op (fwd_pass_state + compute_out fused): segment
                        segment_out_kernel     end states, state_passing over segments, y from registers-held
                                               states, no per-chunk states in memory

@@ -15,13 +15,15 @@ which run next to each other, read it.
 
 The grid covers the row blocks that hold tokens (cdiv(seqlen, BL)), so no tile lies wholly outside C or B;
 rows past seqlen are zero-padded and give zero rows.
+
+DIAG: only the diagonal blocks (jb = m), one program per row block: all that compute_out_carry reads.
 """
 
 from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import Big, ConstInt, dependent_launch_prologue
+from .common import Big, ConstBool, ConstInt, dependent_launch_prologue
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -29,7 +31,7 @@ _ZERO = ct.PaddingMode.ZERO
 @ct.kernel
 def chunk_cb_kernel(C: Big, B: Big, cb: Big,
                     dstate: int,
-                    L: ConstInt, BL: ConstInt, TN: ConstInt):
+                    L: ConstInt, BL: ConstInt, TN: ConstInt, DIAG: ConstBool):
     dependent_launch_prologue()
     pid = ct.bid(0)
     g = ct.bid(1)
@@ -37,8 +39,12 @@ def chunk_cb_kernel(C: Big, B: Big, cb: Big,
     blocks_per_chunk = L // BL
     jb = pid % blocks_per_chunk    # column block inside the chunk
     rb = pid // blocks_per_chunk   # row block over the whole sequence
+    if DIAG:
+        rb = pid
     c = rb // blocks_per_chunk
     m = rb % blocks_per_chunk      # row block inside the chunk
+    if DIAG:
+        jb = m
     mma_dtype = C.dtype
     n_ntiles = (dstate + TN - 1) // TN
 

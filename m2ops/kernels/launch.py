@@ -44,6 +44,7 @@ from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_P
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
                      supported_chunk_size)
 from .compute_out import compute_out_kernel
+from .compute_out_carry import compute_out_carry_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
@@ -167,9 +168,10 @@ def backward_walk_block(batch: int, nheads: int, state_elems: int, device) -> in
     return min(STATE_BLOCKS)
 
 
-def chunk_cb_constants(chunk_size: int, block: int | None = None) -> dict:
-    """block: the (block x block) tiles of C . B^T, compute_out's row block (default sub_block(chunk_size))."""
-    return dict(L=chunk_size, BL=block or sub_block(chunk_size), TN=TILE_N)
+def chunk_cb_constants(chunk_size: int, block: int | None = None, diag: bool = False) -> dict:
+    """block: the (block x block) tiles of C . B^T, compute_out's row block (default sub_block(chunk_size));
+    diag: the diagonal blocks only (compute_out_carry's)."""
+    return dict(L=chunk_size, BL=block or sub_block(chunk_size), TN=TILE_N, DIAG=bool(diag))
 
 
 # Compiler hints (ct.kernel occupancy = CTAs per SM the register allocation aims for) per (kernel, input
@@ -301,6 +303,7 @@ _KERNEL_OBJECTS = {
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
+    "compute_out_carry": compute_out_carry_kernel,
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
@@ -546,7 +549,7 @@ def _stream_handle() -> int:
 # M2OPS_PDL=0 turns it off.
 PDL = envvars.switch("M2OPS_PDL", True)
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
-                         "compute_out_kernel", "segment_state_kernel", "segment_out_kernel",
+                         "compute_out_kernel", "compute_out_carry_kernel", "segment_state_kernel", "segment_out_kernel",
                          "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
 
@@ -601,7 +604,8 @@ def _knobs() -> tuple:
     return (CB_IN_BF16, STATES_IN_BF16, LOCAL_STATES_IN_BF16, CHUNK_STATE_TN, CHUNK_STATE_SMALL_TN, PDL,
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
-            SUPER_CHUNK_DEFAULT_CHUNKS)
+            SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
+            OUT_CARRY_WIDE_SEQLEN)
 
 
 def _profiling_override() -> bool:
@@ -777,6 +781,55 @@ class _OutPlan(NamedTuple):
     states_bf16: bool  # compute_out reads bfloat16 entering states as they are (else float32)
     chunk_cb: Step
     compute_out: Step
+    carry: bool        # compute_out is compute_out_carry's kernel (it also reads B)
+
+
+# compute_out_carry (one program per chunk, the state carried through its row blocks) in place of compute_out's
+# column walk: None lets out_carry_applies decide, True / False force it where it can run / never (experiments).
+OUT_CARRY_OVERRIDE = None
+# The largest dstate compute_out_carry holds in one state tile, and the tiles (dstate rounded up) it is built for.
+# At dstate 256 and 512 (a (64, 256-512) float32 state, or headdim tiles of 32) it was 1.3-2x slower than the walk
+# on the H200 (docs/performance-log.md v34).
+OUT_CARRY_MAX_DSTATE = 128
+OUT_CARRY_TILES = (16, 32, 64, 128)
+# Above dstate 64 (the 128-wide state tile, occupancy 2) the carry takes over from this many tokens: at 1K tokens
+# its 320 programs (B=1, H=80) are 1.2 waves and the call was 45.6 -> 48.7 us under CUDA graphs, at 4K 0.119 ->
+# 0.112 ms. At dstate <= 64 it was faster at every length measured, 1K (40.6 -> 38.4 us) to 256K.
+OUT_CARRY_WIDE_SEQLEN = 4096
+
+
+def out_carry_can_run(dstate: int, chunk_size: int) -> bool:
+    """Whether compute_out_carry is built for this dstate and chunk size (chunks of more than one row block)."""
+    return dstate <= OUT_CARRY_MAX_DSTATE and chunk_size > sub_block(chunk_size)
+
+
+def out_carry_applies(dstate: int, chunk_size: int, seqlen: int) -> bool:
+    """Whether the forward's output kernel is compute_out_carry (else compute_out's column walk)."""
+    if not out_carry_can_run(dstate, chunk_size):
+        return False
+    if OUT_CARRY_OVERRIDE is not None:
+        return bool(OUT_CARRY_OVERRIDE)
+    return dstate <= 64 or seqlen >= OUT_CARRY_WIDE_SEQLEN
+
+
+# compute_out_carry's occupancy hint by its state tile (TN), 16-bit inputs: its registers grow with the (TP, TN)
+# float32 state it carries. On the H200 (tests/gpu/variants_scan.py "out carry occ k", bfloat16, chunk 256,
+# compute_out_carry ms): TN 64 at 64K 1.141 / 0.714 / 0.648 / 1.198 at occupancy 1 / 2 / 3 / 4; TN 128 at 64K
+# 1.305 / 0.878 / 1.318 / 1.317. float32 inputs take 2 (not measured).
+OUT_CARRY_OCCUPANCY = {16: 3, 32: 3, 64: 3, 128: 2}
+
+
+def out_carry_hints(dtype: str, tn: int) -> dict:
+    if "compute_out_carry" in HINT_OVERRIDE:
+        return dict(HINT_OVERRIDE["compute_out_carry"])
+    return {"occupancy": OUT_CARRY_OCCUPANCY[tn] if dtype in ("float16", "bfloat16") else 2}
+
+
+def out_carry_constants(chunk_size: int, dstate: int, has_seq: bool, dtype: str) -> dict:
+    k = compute_out_constants(chunk_size, has_seq, dtype=dtype)
+    k["TN"] = max(16, 1 << (dstate - 1).bit_length())
+    k.update(CONSTANT_OVERRIDE.get("compute_out_carry", {}))
+    return k
 
 
 @_planned
@@ -786,17 +839,26 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
     if L % BL:
         raise ValueError(f"compute_out's row block {BL} must divide the chunk size {L}")
     n_rblocks = cdiv(T, BL)
-    # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block; compute_out reads
-    # it for every head.
-    kc = chunk_cb_constants(L, BL)
-    chunk_cb = _step((n_rblocks * (L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
-                     (n, kc["L"], kc["BL"], kc["TN"]), device)
-    n_ptiles = cdiv(p, k["TP"])
-    compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
-                        (T, h, h // g, n, n_ptiles, has_d, int(has_z),
-                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
+    carry = out_carry_applies(n, L, T)
+    if carry:
+        k = _bounds_checked("compute_out_carry", out_carry_constants(L, n, has_seq, dname), T, p, n)
+        n_ptiles = cdiv(p, k["TP"])
+        hints = tuple(sorted(out_carry_hints(dname, k["TN"]).items()))
+        compute_out = _step((cdiv(T, L) * h * n_ptiles, b, 1), _hinted("compute_out_carry", hints),
+                            (T, h, h // g, n_ptiles, has_d, int(has_z),
+                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
+    else:
+        n_ptiles = cdiv(p, k["TP"])
+        compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
+                            (T, h, h // g, n, n_ptiles, has_d, int(has_z),
+                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
+    # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block (the diagonal ones
+    # for compute_out_carry); the output kernel reads it for every head.
+    kc = chunk_cb_constants(L, BL, diag=carry)
+    chunk_cb = _step((n_rblocks * (1 if carry else L // BL), g, b), hinted_kernel("chunk_cb", dname, L),
+                     (n, kc["L"], kc["BL"], kc["TN"], kc["DIAG"]), device)
     return _OutPlan(cb_shape(b, T, g, L), getattr(torch, cb_dtype_name(dname)),
-                    k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out)
+                    k["SBF"] and states_dtype == torch.bfloat16, chunk_cb, compute_out, carry)
 
 
 def _out_applies(dt_out, *tensors) -> bool:
@@ -831,7 +893,8 @@ def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq, cb=None,
         cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=xk.device)
     go(plan.chunk_cb, (Ck, Bk, cb))
     y = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
-    go(plan.compute_out, (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
+    go(plan.compute_out, (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y, Bk) if plan.carry
+       else (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
     return y
 
 

@@ -261,7 +261,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     cb = torch.empty(cb_shape(b, T, g, L), dtype=torch.float32, device=dev)
     kc = chunk_cb_constants(L)
     launch._launch((n_rblocks * nb, g, b), launch.hinted_kernel("chunk_cb", launch._dtype_name(mma_dtype), L),
-                   (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"]))
+                   (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"], kc["DIAG"]))
 
     # g_x, and per headdim tile dx_sums[0] = dt's gradient, dx_sums[1] = the column parts of dA_cumsum's
     # intra-chunk gradient (both zero past the last block the grid covers).

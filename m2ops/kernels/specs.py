@@ -34,6 +34,7 @@ from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_state import chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
+from .compute_out_carry import compute_out_carry_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
@@ -116,6 +117,7 @@ _KERNELS = {
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
     "compute_out": compute_out_kernel,
+    "compute_out_carry": compute_out_carry_kernel,
     "state_update": state_update_kernel,
     "segment_state": segment_state_kernel,
     "segment_out": segment_out_kernel,
@@ -164,6 +166,10 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "compute_out_carry":
+        return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
+                _a(dt, 4), _a(I32, 2), _a(dt, 4), _a(dt, 4),
+                _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "segment_state":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 3), _a(F32, 3), _a(I32, 2), _a(F32, 5), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)
@@ -231,8 +237,10 @@ def all_specs() -> list[Spec]:
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
             cbd = launch.cb_dtype_name(dt)
             for cb_dtype in sorted({F32, cbd}):
-                out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L), _params("chunk_cb", dt, cb_dtype=cb_dtype),
-                                _hints("chunk_cb", dt, L), dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
+                for diag in (False, True):
+                    out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L, diag=diag),
+                                    _params("chunk_cb", dt, cb_dtype=cb_dtype),
+                                    _hints("chunk_cb", dt, L), dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
             for has_seq in (False, True):
                 for check in (True, False):
                     for sd in launch.entering_dtype_names(dt):
@@ -240,6 +248,15 @@ def all_specs() -> list[Spec]:
                         out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
                                         _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
                                         _hints("compute_out", dt, L), dtypes=extra))
+                        # its carry form at each state tile up to OUT_CARRY_MAX_DSTATE
+                        if not launch.out_carry_can_run(16, L):
+                            continue
+                        for tn in launch.OUT_CARRY_TILES:
+                            out.append(Spec("compute_out_carry", dt,
+                                            {**launch.out_carry_constants(L, tn, has_seq, dt), "CHK": check},
+                                            _params("compute_out_carry", dt, state_dtype=sd, cb_dtype=cbd),
+                                            tuple(sorted(launch.out_carry_hints(dt, tn).items())),
+                                            dtypes=extra))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
         for nt in SEGMENT_NTS:

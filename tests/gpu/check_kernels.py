@@ -158,7 +158,8 @@ def _median_ms(fn, reps=20):
 
 
 # Kernel names as they appear in the profiler (substrings of the cuTile symbols).
-KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out")
+KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "varlen_states", "chunk_cb", "compute_out",
+                "compute_out_carry")
 
 
 def _forward_bucket(symbol: str) -> str:

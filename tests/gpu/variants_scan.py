@@ -106,13 +106,25 @@ for _name in ("chunk_cb", "chunk_cumsum", "state_passing"):
         VARIANTS[f"{_name} occ {_occ}"] = ({}, {_name: {"occupancy": _occ}}, True, *_DEFAULT_FLAGS)
     VARIANTS[f"{_name} no occ"] = ({}, {_name: {}}, True, *_DEFAULT_FLAGS)
 
+# compute_out_carry in place of compute_out's walk (launch.OUT_CARRY_OVERRIDE), at occupancy hints and headdim tiles
+for _occ in (1, 2, 3, 4):
+    VARIANTS[f"out carry occ {_occ}"] = ({}, {"compute_out_carry": {"occupancy": _occ}}, True, *_DEFAULT_FLAGS,
+                                         "carry")
+    VARIANTS[f"out carry TP32 occ {_occ}"] = ({"compute_out_carry": {"TP": 32}},
+                                              {"compute_out_carry": {"occupancy": _occ}}, True, *_DEFAULT_FLAGS,
+                                              "carry")
+# ... with the table's hints, and compute_out's walk where the carry would be the default
+VARIANTS["out carry"] = ({}, {}, True, *_DEFAULT_FLAGS, "carry")
+VARIANTS["out walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk")
+
 
 @contextlib.contextmanager
 def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
-                launch.STATE_BLOCK_OVERRIDE)
+                launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE)
     consts, hints, narrow, *flags = VARIANTS[name]
+    launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
     launch.STATE_BLOCK_OVERRIDE = next((int(f[4:]) for f in flags if f.startswith("sblk")), None)
     index_width.NARROW_INDEX = narrow
     launch.CB_IN_BF16 = "cb16" in flags
@@ -128,7 +140,7 @@ def variant(name):
         launch.CONSTANT_OVERRIDE.clear()
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
-         launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE) = defaults
+         launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE) = defaults
 
 
 def main():
