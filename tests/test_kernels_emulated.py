@@ -115,21 +115,25 @@ def carry_cases(draw):
     return kw
 
 
-@given(carry_cases(), st.booleans())
+@given(carry_cases(), st.booleans(), st.booleans())
 @SWEEP
-def test_compute_out_carry_and_walk(kw, carry):
+def test_compute_out_carry_and_walk(kw, carry, reverse):
     """compute_out's two output kernels on the reference's intermediates: compute_out_carry (one program per
     chunk, the state carried through its row blocks, chunk_cb's diagonal blocks only) where it can run, and the
-    column walk, each forced; seq_idx, D, z, initial states, ragged ends and every dtype."""
+    column walk, each forced, each in either order of chunks (OUT_REVERSE); seq_idx, D, z, initial states, ragged
+    ends and every dtype."""
     case = make_case(**kw)
     y_ref, _, _, mid = reference_forward(case)
+    default_reverse = launch.OUT_REVERSE
     launch.OUT_CARRY_OVERRIDE = carry
+    launch.OUT_REVERSE = reverse
     try:
         with emulated_launches() as launches:
             y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                                    case["D"], case["z"], case["seq_idx"])
     finally:
         launch.OUT_CARRY_OVERRIDE = None
+        launch.OUT_REVERSE = default_reverse
     names = [name for name, _, _ in launches]
     if launches:
         want = ("compute_out_carry_kernel" if carry and launch.out_carry_can_run(case["B"].shape[3], case["chunk_size"])

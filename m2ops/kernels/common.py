@@ -85,6 +85,12 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def in_order(i, count, reverse):
+    """Block i of count, or with reverse = 1 block count - 1 - i: a run-time flag, so that one build serves both
+    orders (launch.OUT_REVERSE)."""
+    return i + reverse * (count - 1 - 2 * i)
+
+
 def dependent_launch_prologue():
     """First statement of every forward kernel. Launched with programmatic dependent launch (launch.PDL, sm_90
     and later), a kernel's programs can be scheduled while the kernel before it in the stream is still

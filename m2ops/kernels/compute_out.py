@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, load_tile,
-                     scale_by, silu)
+from .common import (LOG2E, Big, ConstBool, ConstInt, cdiv, dependent_launch_prologue, diag_decay, exp2, in_order,
+                     load_tile, scale_by, silu)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -30,7 +30,7 @@ _ZERO = ct.PaddingMode.ZERO
 def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                        seq_idx: Big, y: Big,
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
-                       has_d: int, has_z: int,
+                       has_d: int, has_z: int, reverse: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
                        CHK: ConstBool, SBF: ConstBool):
     dependent_launch_prologue()
@@ -40,6 +40,8 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     rest = pid // n_ptiles
     h = rest % nheads
     rb = rest // nheads            # row block over the whole sequence
+    # reverse = 1 takes the row blocks last first (the chunks chunk_state read last may still be in L2)
+    rb = in_order(rb, cdiv(seqlen, BL), reverse)
     blocks_per_chunk = L // BL
     c = rb // blocks_per_chunk
     m = rb % blocks_per_chunk      # row block inside the chunk

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import (LOG2E, Big, ConstBool, ConstInt, dependent_launch_prologue, diag_decay, exp2, load_tile,
-                     scale_by, silu, token_weight, weighted_state_product)
+from .common import (LOG2E, Big, ConstBool, ConstInt, cdiv, dependent_launch_prologue, diag_decay, exp2, in_order,
+                     load_tile, scale_by, silu, token_weight, weighted_state_product)
 
 
 @ct.kernel
 def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                              seq_idx: Big, y: Big, B: Big,
                              seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int,
-                             has_d: int, has_z: int,
+                             has_d: int, has_z: int, reverse: int,
                              L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
                              CHK: ConstBool, SBF: ConstBool):
     dependent_launch_prologue()
@@ -44,6 +44,9 @@ def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Bi
     rest = pid // n_ptiles
     h = rest % nheads
     c = rest // nheads
+    # reverse = 1 takes the chunks last first: chunk_state reads x first to last, so the chunks it read last may
+    # still be in L2 when the output kernel starts
+    c = in_order(c, cdiv(seqlen, L), reverse)
     g = h // heads_per_group
     mma_dtype = x.dtype
     blocks_per_chunk = L // BL

@@ -605,7 +605,7 @@ def _knobs() -> tuple:
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
-            OUT_CARRY_WIDE_SEQLEN)
+            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE)
 
 
 def _profiling_override() -> bool:
@@ -787,6 +787,10 @@ class _OutPlan(NamedTuple):
 # compute_out_carry (one program per chunk, the state carried through its row blocks) in place of compute_out's
 # column walk: None lets out_carry_applies decide, True / False force it where it can run / never (experiments).
 OUT_CARRY_OVERRIDE = None
+# Both output kernels take the chunks in the order opposite to chunk_state's (last first), a run-time argument:
+# x's chunks that chunk_state read last may still be in L2 when compute_out starts. On the H200 2-3% at 4K tokens
+# (eager and graph replays), neutral from 16K (docs/performance-log.md v35).
+OUT_REVERSE = True
 # The largest dstate compute_out_carry holds in one state tile, and the tiles (dstate rounded up) it is built for.
 # At dstate 256 and 512 (a (64, 256-512) float32 state, or headdim tiles of 32) it was 1.3-2x slower than the walk
 # on the H200 (docs/performance-log.md v34).
@@ -845,12 +849,12 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
         n_ptiles = cdiv(p, k["TP"])
         hints = tuple(sorted(out_carry_hints(dname, k["TN"]).items()))
         compute_out = _step((cdiv(T, L) * h * n_ptiles, b, 1), _hinted("compute_out_carry", hints),
-                            (T, h, h // g, n_ptiles, has_d, int(has_z),
+                            (T, h, h // g, n_ptiles, has_d, int(has_z), int(OUT_REVERSE),
                              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     else:
         n_ptiles = cdiv(p, k["TP"])
         compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
-                            (T, h, h // g, n, n_ptiles, has_d, int(has_z),
+                            (T, h, h // g, n, n_ptiles, has_d, int(has_z), int(OUT_REVERSE),
                              k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block (the diagonal ones
     # for compute_out_carry); the output kernel reads it for every head.

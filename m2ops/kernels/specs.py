@@ -165,11 +165,11 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
                 _a(dt, 4),
                 _a(I32, 2), _a(dt, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "compute_out_carry":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
                 _a(dt, 4), _a(I32, 2), _a(dt, 4), _a(dt, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "segment_state":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 3), _a(F32, 3), _a(I32, 2), _a(F32, 5), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT)

@@ -116,14 +116,29 @@ for _occ in (1, 2, 3, 4):
 # ... with the table's hints, and compute_out's walk where the carry would be the default
 VARIANTS["out carry"] = ({}, {}, True, *_DEFAULT_FLAGS, "carry")
 VARIANTS["out walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk")
+# the caller's chunk kept at every length ("nosuper": launch.SUPER_CHUNK_DEFAULT_SEQLEN out of reach), e.g. chunks
+# of 128 at 4K tokens with --chunk 128, with either of compute_out's kernels
+VARIANTS["nosuper"] = ({}, {}, True, *_DEFAULT_FLAGS, "nosuper")
+VARIANTS["nosuper out carry"] = ({}, {}, True, *_DEFAULT_FLAGS, "nosuper", "carry")
+VARIANTS["nosuper out walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "nosuper", "walk")
+# the output kernel's chunks last first (launch.OUT_REVERSE, the default) or first to last, on the defaults and
+# with the walk forced
+VARIANTS["out reverse"] = ({}, {}, True, *_DEFAULT_FLAGS, "rev")
+VARIANTS["out forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "norev")
+VARIANTS["out walk reverse"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "rev")
+VARIANTS["out walk forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "norev")
 
 
 @contextlib.contextmanager
 def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
-                launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE)
+                launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
+                launch.OUT_REVERSE)
     consts, hints, narrow, *flags = VARIANTS[name]
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-1])
+    if "nosuper" in flags:
+        launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
     launch.STATE_BLOCK_OVERRIDE = next((int(f[4:]) for f in flags if f.startswith("sblk")), None)
     index_width.NARROW_INDEX = narrow
@@ -140,7 +155,8 @@ def variant(name):
         launch.CONSTANT_OVERRIDE.clear()
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
-         launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE) = defaults
+         launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
+         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE) = defaults
 
 
 def main():
