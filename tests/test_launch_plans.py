@@ -62,6 +62,19 @@ def test_plan_is_kept_and_follows_switches_and_overrides(recorded, monkeypatch):
     assert _state_launch(recorded)[2][6 + 8] == launch.chunk_state_tn(64)
 
 
+@pytest.mark.parametrize("dstate,heads_per_group,hb", [(16, 4, 1), (64, 4, 1), (65, 4, 2), (128, 4, 2), (128, 3, 1)])
+def test_chunk_state_heads_follow_dstate(dstate, heads_per_group, hb):
+    """bfloat16 at chunk 256: two heads per chunk_state program from dstate 65 where a group's heads divide by two,
+    one up to CHUNK_STATE_ONE_HEAD_MAX_DSTATE (and where they do not divide); the grid follows the choice."""
+    h = 2 * heads_per_group
+    plan = launch._state_plan(1, 1024, h, 64, 2, dstate, 256, "bfloat16", False, False, None, True, torch.bfloat16,
+                              torch.device("cpu"))
+    step = plan.chunk_state
+    assert step.tail[-1] == hb  # HB, the last constant
+    n_tiles = -(-dstate // launch.chunk_state_tn(dstate))
+    assert step.grid[0] == 4 * (h // hb) * 1 * n_tiles  # chunks x head groups x headdim tiles x dstate tiles
+
+
 @pytest.mark.parametrize("carry", [False, True])
 def test_dummies_are_shared_and_d_per_head_is_a_view(recorded, monkeypatch, carry):
     """For both of compute_out's kernels (D, z, seq_idx and has_d sit at the same places in each)."""

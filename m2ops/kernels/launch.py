@@ -84,8 +84,19 @@ def chunk_state_tn(dstate: int) -> int:
 CHUNK_STATE_HEADS = {("bfloat16", 256): (2, 2)}
 
 
-def chunk_state_heads(dtype: str, chunk_size: int) -> int:
-    """HB from CHUNK_STATE_HEADS (1 where it has no entry); a launch takes it where it fits (heads_per_program)."""
+# Up to this dstate (one 64-wide dstate tile) chunk_state takes one head per program whatever CHUNK_STATE_HEADS
+# says: sharing B's (L, 64) tile saves little, and twice the programs fill the SMs better. On the H200
+# (variants_scan / graph_scan "state HB1", docs/performance-log.md v36): eager 4K 0.090 -> 0.087 ms, 16K 0.282 ->
+# 0.277, 64K 1.049 -> 1.026; 1K under graphs 38.7 -> 35.5 us. At dstate 128 two heads stay ahead (4K 0.110 against
+# 0.114, 16K 0.370 against 0.396).
+CHUNK_STATE_ONE_HEAD_MAX_DSTATE = 64
+
+
+def chunk_state_heads(dtype: str, chunk_size: int, dstate: int | None = None) -> int:
+    """HB from CHUNK_STATE_HEADS (1 where it has no entry, or at dstate <= CHUNK_STATE_ONE_HEAD_MAX_DSTATE; without
+    dstate, the table's choice, which specs.py builds); a launch takes it where it fits (heads_per_program)."""
+    if dstate is not None and dstate <= CHUNK_STATE_ONE_HEAD_MAX_DSTATE:
+        return 1
     return CHUNK_STATE_HEADS.get((dtype, chunk_size), (1, None))[0]
 
 
@@ -605,7 +616,7 @@ def _knobs() -> tuple:
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
-            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE)
+            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE)
 
 
 def _profiling_override() -> bool:
@@ -697,7 +708,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                   and "bfloat16" in local_dtype_names(dname, L))
     n_ptiles = cdiv(p, TILE_P)
     # 1. Each chunk's local state (from zero) into its slot of states: parallel over chunks.
-    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L),
+    k = _bounds_checked("chunk_state", chunk_state_constants(L, has_seq, heads=chunk_state_heads(dname, L, n),
                                                              tn=chunk_state_tn(n)), T, p, n)
     k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
     n_state_tiles = cdiv(n, k["TN"])
