@@ -71,7 +71,7 @@ def test_chunk_state_heads_follow_dstate(dstate, heads_per_group, hb):
                               torch.device("cpu"))
     step = plan.chunk_state
     assert step.tail[-1] == hb  # HB, the last constant
-    n_tiles = -(-dstate // launch.chunk_state_tn(dstate))
+    n_tiles = launch.cdiv(dstate, launch.chunk_state_tn(dstate))
     assert step.grid[0] == 4 * (h // hb) * 1 * n_tiles  # chunks x head groups x headdim tiles x dstate tiles
 
 

@@ -15,7 +15,7 @@ GPU sat at 6% occupancy. No chunk's local state depends on any other, so this pa
 matrix work and all reads of x and B, runs with one program per chunk tile (tens of thousands of
 programs); only an elementwise multiply-add stays sequential.
 
-HB heads per program (a constant; launch.CHUNK_STATE_HEADS: 2 for bfloat16 at chunk 256, else 1): the
+HB heads per program (a constant; launch.chunk_state_heads: 2 for bfloat16 at chunk 256 from dstate 65, else 1): the
 program's rows are HB heads' headdim tiles side by side, (HB * TP, TN) = (w x)^T B with x loaded as
 (BL, HB, TP), so that each B tile, which every head of a group shares, is read from L2 once per HB heads
 rather than once per head (B was most of the kernel's L2 traffic at dstate 256-512: heads x dstate x 2 bytes
