@@ -1,6 +1,6 @@
 """chunk_cumsum_bwd kernel: gradients of dt, A and dt_bias through chunk_cumsum (backward of chunk_cumsum.py).
 
-One program per (chunk, block of TILE_H heads, batch row), the forward's grid. With R the reverse cumulative
+One program per (chunk, block of TILE_H_BWD heads, batch row). With R the reverse cumulative
 sum of g_dA_cumsum within the chunk (R_l = sum_{i >= l} gcs_i) and d, u, v the forward's clamped,
 softplus'd and biased dt (recomputed here):
 

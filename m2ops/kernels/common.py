@@ -24,8 +24,13 @@ INPUT_DTYPES = ("float16", "bfloat16", "float32")
 # dstate of any size are covered by several tiles, the last one partial (zero-padded loads, clipped stores).
 TILE_P = 64
 TILE_N = 64
-# Heads per chunk_cumsum program.
-TILE_H = 16
+# Heads per chunk_cumsum program. Its programs are short and latency-bound (a load, a 256-step scan, two stores),
+# so more programs of fewer heads finish sooner: 4 instead of 16 took the whole call under CUDA graphs on the H200
+# from 89.5 to 86.1 us at T=4K N=64, 35.5 -> 33.2 at 1K N=64, 59.2 -> 55.7 at 1K N=256 (docs/performance-log.md
+# v37; 1 and 2 heads were no faster). 4 float32 heads are a 16-byte row, the least a TMA copy takes.
+TILE_H = 4
+# ... and per chunk_cumsum_bwd program (not measured at other values).
+TILE_H_BWD = 16
 
 # state_passing (and the backward's walk): elements of one head's flattened (headdim x dstate) state per
 # program. The forward takes the smallest (launch.forward_state_block), the backward's walk the largest that

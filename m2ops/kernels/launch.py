@@ -60,7 +60,9 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ---- specialisation choices (specs.py enumerates the domain of these functions) ----
 
 def chunk_cumsum_constants(chunk_size: int) -> dict:
-    return dict(L=chunk_size, BH=TILE_H)
+    k = dict(L=chunk_size, BH=TILE_H)
+    k.update(CONSTANT_OVERRIDE.get("chunk_cumsum", {}))
+    return k
 
 
 # chunk_state's dstate tile: 128 (x read once per 128 state columns) took 0.167 -> 0.133 ms at T=16K N=128 and
@@ -655,8 +657,8 @@ def clear_plans() -> None:
 
 @_planned
 def _cumsum_plan(b, T, h, L, has_bias, dt_softplus, dt_min, dt_max, device) -> Step:
-    n_hblocks = cdiv(h, TILE_H)
     k = chunk_cumsum_constants(L)
+    n_hblocks = cdiv(h, k["BH"])
     return _step((num_chunks(T, L) * n_hblocks, b, 1), hinted_kernel("chunk_cumsum", "float32", L),
                  (T, n_hblocks, int(has_bias), int(bool(dt_softplus)), float(dt_min), float(dt_max),
                   k["L"], k["BH"]), device)

@@ -17,7 +17,7 @@ import torch
 from .. import envvars
 from ..meta.shapes import cb_shape, num_chunks
 from ..reference import chunked_backward as ref_bwd
-from .common import STATE_BLOCKS, TILE_H, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
+from .common import STATE_BLOCKS, TILE_H_BWD, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
 from . import launch
 from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, backward_walk_block,
                      chunk_cb_constants, compute_out, fwd_pass_state)
@@ -29,7 +29,7 @@ HINTED = ("out_bwd_dx", "out_bwd_dcbw", "out_bwd_dcdb", "out_bwd_dstates", "chun
 
 
 def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
-    return dict(L=chunk_size, BH=TILE_H)
+    return dict(L=chunk_size, BH=TILE_H_BWD)
 
 
 # gcarry_c = <gS_{c+1}, S_c> in state_passing_bwd's walk (a block sum per chunk, which synchronises the program at
@@ -78,7 +78,7 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
     b, T, h = dt.shape
     nchunks = num_chunks(T, chunk_size)
     dev = dt.device
-    n_hblocks = cdiv(h, TILE_H)
+    n_hblocks = cdiv(h, TILE_H_BWD)
     g_dt = torch.empty((b, T, h), dtype=dt.dtype, device=dev)
     g_A_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)
     g_bias_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)

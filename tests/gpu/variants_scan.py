@@ -106,6 +106,14 @@ for _name in ("chunk_cb", "chunk_cumsum", "state_passing"):
         VARIANTS[f"{_name} occ {_occ}"] = ({}, {_name: {"occupancy": _occ}}, True, *_DEFAULT_FLAGS)
     VARIANTS[f"{_name} no occ"] = ({}, {_name: {}}, True, *_DEFAULT_FLAGS)
 
+# chunk_state's occupancy above the table's 4 (one head per program at dstate <= 64 holds a (64, 64) float32 state:
+# at 4K tokens its 1,280 programs are 2.4 waves at 4 per SM), and chunk_cumsum with fewer heads per program (80
+# programs at 4K tokens, H=80, for 132 SMs, with the 16 heads it took before v37)
+for _occ in (5, 6, 8):
+    VARIANTS[f"state occ {_occ}"] = ({}, {"chunk_state": {"occupancy": _occ}}, True, *_DEFAULT_FLAGS)
+for _bh in (1, 2, 4, 8, 16):
+    VARIANTS[f"cumsum BH {_bh}"] = ({"chunk_cumsum": {"BH": _bh}}, {}, True, *_DEFAULT_FLAGS)
+
 # compute_out_carry in place of compute_out's walk (launch.OUT_CARRY_OVERRIDE), at occupancy hints and headdim tiles
 for _occ in (1, 2, 3, 4):
     VARIANTS[f"out carry occ {_occ}"] = ({}, {"compute_out_carry": {"occupancy": _occ}}, True, *_DEFAULT_FLAGS,
