@@ -158,10 +158,10 @@ def public_call(case, return_final_states=True, return_varlen_states=False):
                                      return_varlen_states=return_varlen_states)
 
 
-def scan_case(seqlen, dstate, chunk_size, device="cuda"):
-    """The profiling scripts' case (profile_scan, variants_scan, backward_scan, host_scan, ncu_scan): B=1, H=80,
-    P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial states."""
-    case = make_case(seqlen=seqlen, nheads=80, headdim=64, ngroups=1, dstate=dstate, dtype=torch.bfloat16, D="h",
+def scan_case(seqlen, dstate, chunk_size, device="cuda", nheads=80):
+    """The profiling scripts' case (profile_scan, variants_scan, backward_scan, host_scan, ncu_scan, heads_scan):
+    B=1, H=80 (or nheads), P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial states."""
+    case = make_case(seqlen=seqlen, nheads=nheads, headdim=64, ngroups=1, dstate=dstate, dtype=torch.bfloat16, D="h",
                      initial_states=True, chunk_size=chunk_size, device=device)
     case["dt"] = case["dt"].float()
     return case

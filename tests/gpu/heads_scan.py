@@ -3,8 +3,9 @@ count of programs (waves of programs on the SMs) at a fixed sequence length.
 
     python tests/gpu/heads_scan.py [--shape 4K:64] [--heads 66,72,74,76,80,92,99] [--json OUT/heads.json]
 
-B=1, P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial states, chunk 256, tuning off. PDL is off for
-the run (M2OPS_PDL=0), so that the profiler's kernel spans do not overlap and each is that kernel's own time.
+gpu_cases.scan_case at each head count (B=1, P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial
+states), chunk 256, tuning off. PDL is off for the run (M2OPS_PDL=0), so that the profiler's kernel spans do not
+overlap and each is that kernel's own time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from check_kernels import _kernel_times, _median_ms  # noqa: E402
-from gpu_cases import make_case, public_call  # noqa: E402
+from gpu_cases import public_call, scan_case  # noqa: E402
 
 from m2ops.bench.shapes import parse_sizes  # noqa: E402
 
@@ -36,9 +37,7 @@ def main():
     T, N = parse_sizes(t_s)[0], int(n_s)
     rows = []
     for h in parse_sizes(args.heads):
-        case = make_case(seqlen=T, nheads=h, headdim=64, ngroups=1, dstate=N, dtype=torch.bfloat16, D="h",
-                         initial_states=True, chunk_size=args.chunk)
-        case["dt"] = case["dt"].float()
+        case = scan_case(T, N, args.chunk, nheads=h)
 
         def call():
             with torch.no_grad():
