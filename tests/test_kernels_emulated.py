@@ -929,6 +929,54 @@ def test_separate_carry_grad_rule(monkeypatch):
         assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
 
 
+@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
+@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
+def test_planned_forward_with_fused_cb(kw, carry, hb):
+    """FUSED_CB: the planned forward runs chunk_cb's programs in chunk_state's launch (chunk_state_cb_kernel) and
+    launches chunk_cb no more; the same bits as the launchers, with either output kernel (compute_out_carry reads
+    the diagonal blocks, the walk the whole triangle) and chunk_state at one or two heads a program."""
+    kw.update(seq_idx=False, cu_seqlens=False, noncontig=False)
+    if carry:
+        kw.update(chunk_size=max(kw["chunk_size"], 128), dstate=min(kw["dstate"], 128))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
+        mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
+        mp.setattr(launch, "CHUNK_STATE_HEADS", {(d, L): (hb, None) for d in ("float16", "bfloat16", "float32")
+                                                 for L in (16, 32, 64, 128, 256)})
+        mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
+        case = make_case(**kw)
+        a = _forward_args(case)
+        with emulated_launches() as launches:
+            y0, fin0 = _launchers_forward(case)
+            mp.setattr(launch, "FUSED_CB", True)
+            n0 = len(launches)
+            y1, fin1 = launch.planned_forward(*a)
+            y2, fin2 = launch.planned_forward(*a)  # the kept scratch: its cb written again by the fused launch
+    names = [name for name, _, _ in launches[n0:]]
+    assert names.count("chunk_state_cb_kernel") == 2 and "chunk_cb_kernel" not in names, names
+    assert "chunk_state_kernel" not in names
+    for y, fin in ((y1, fin1), (y2, fin2)):
+        assert torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+def test_fused_cb_needs_the_plan_without_overrides(monkeypatch):
+    """The fused launch is the planned forward's alone: with FUSED_CB off, or on the launchers' path (a profiling
+    override set), chunk_cb keeps its own launch."""
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=200, chunk_size=64, device="cpu", seed=3)
+    a = _forward_args(case)
+    for fused, override in ((False, {}), (True, {"compute_out": {"CHK": True}})):
+        monkeypatch.setattr(launch, "FUSED_CB", fused)
+        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", override)
+        with emulated_launches() as launches:
+            out = launch.planned_forward(*a)
+            if out is None:
+                _launchers_forward(case)
+        names = [name for name, _, _ in launches]
+        assert "chunk_cb_kernel" in names and "chunk_state_cb_kernel" not in names, (fused, names)
+    launch.clear_plans()
+
+
 def test_every_launch_above_is_a_compiled_specialisation():
     """Every launch the tests above ran (kernel, compiler options, array dtypes and ranks, constants; launches
     under a profiling override excluded) is one of m2ops.kernels.specs.all_specs(), the list the compile test

@@ -17,6 +17,8 @@ The grid covers the row blocks that hold tokens (cdiv(seqlen, BL)), so no tile l
 rows past seqlen are zero-padded and give zero rows.
 
 DIAG: only the diagonal blocks (jb = m), one program per row block: all that compute_out_carry reads.
+
+A program's work is cb_block, which chunk_state.chunk_state_cb_kernel also runs (launch.FUSED_CB).
 """
 
 from __future__ import annotations
@@ -28,22 +30,18 @@ from .common import Big, ConstBool, ConstInt, dependent_launch_prologue
 _ZERO = ct.PaddingMode.ZERO
 
 
-@ct.kernel
-def chunk_cb_kernel(C: Big, B: Big, cb: Big,
-                    dstate: int,
-                    L: ConstInt, BL: ConstInt, TN: ConstInt, DIAG: ConstBool):
-    dependent_launch_prologue()
-    pid = ct.bid(0)
-    g = ct.bid(1)
-    b = ct.bid(2)
+def cb_block(C, B, cb, q, g, b, dstate, diag, L, BL, TN):
+    """Program q of one group's C . B^T: the (BL, BL) block of row block q // (L/BL) and column block q % (L/BL)
+    of its chunk (nothing above the diagonal), or with diag the diagonal block of row block q. Also run by
+    chunk_state_cb_kernel's first programs (chunk_state.py), with the same k-steps of TN, so the same bits."""
     blocks_per_chunk = L // BL
-    jb = pid % blocks_per_chunk    # column block inside the chunk
-    rb = pid // blocks_per_chunk   # row block over the whole sequence
-    if DIAG:
-        rb = pid
+    jb = q % blocks_per_chunk    # column block inside the chunk
+    rb = q // blocks_per_chunk   # row block over the whole sequence
+    if diag:
+        rb = q
     c = rb // blocks_per_chunk
     m = rb % blocks_per_chunk      # row block inside the chunk
-    if DIAG:
+    if diag:
         jb = m
     mma_dtype = C.dtype
     n_ntiles = (dstate + TN - 1) // TN
@@ -56,3 +54,11 @@ def chunk_cb_kernel(C: Big, B: Big, cb: Big,
             bj = ct.load(B, (b, jrow, g, k), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
             acc = ct.mma(ci.astype(mma_dtype), ct.transpose(bj.astype(mma_dtype)), acc)
         ct.store(cb, (b, c, g, m, jb), acc.astype(cb.dtype).reshape((1, 1, 1, BL, BL)))
+
+
+@ct.kernel
+def chunk_cb_kernel(C: Big, B: Big, cb: Big,
+                    dstate: int,
+                    L: ConstInt, BL: ConstInt, TN: ConstInt, DIAG: ConstBool):
+    dependent_launch_prologue()
+    cb_block(C, B, cb, ct.bid(0), ct.bid(1), ct.bid(2), dstate, DIAG, L, BL, TN)

@@ -23,26 +23,28 @@ per token). The launcher only takes HB > 1 where HB divides the heads of a group
 
 With seq_idx (HAS_SEQ), tokens whose sequence differs from the chunk's last token add nothing (their
 contribution belongs to a state that ends inside the chunk; varlen_states recomputes those).
+
+chunk_state_cb_kernel is the same kernel with chunk_cb's programs (chunk_cb.cb_block) in front of these in its grid,
+for launch.FUSED_CB: chunk_cb needs only C and B, so its work can ride in this launch instead of taking a
+launch of its own in the chain of dependent launches. Both kernels call state_program, so the state programs
+are the same code.
 """
 
 from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import (Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
+from .chunk_cb import cb_block
+from .common import (TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
                      weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
 
 
-@ct.kernel
-def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
-                       seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
-                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, HB: ConstInt):
-    dependent_launch_prologue()
-    pid = ct.bid(0)
-    b = ct.bid(1)
+def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
+                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
+    """Program pid of the local states of batch row b (the grid's order: dstate tile fastest, then headdim tile,
+    block of heads, chunk)."""
     nt = pid % n_ntiles
     rest = pid // n_ntiles
     pt = rest % n_ptiles
@@ -79,3 +81,34 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
             s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
 
     ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
+
+
+@ct.kernel
+def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
+                       seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
+                       L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
+                       CHK: ConstBool, HB: ConstInt):
+    dependent_launch_prologue()
+    state_program(x, B, dt_out, dA_cumsum, seq_idx, states, ct.bid(0), ct.bid(1), seqlen, nheads, heads_per_group,
+                  n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
+
+
+@ct.kernel
+def chunk_state_cb_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big, C: Big, cb: Big,
+                          seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
+                          cb_per_group: int, dstate: int, cb_diag: int,
+                          L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
+                          CHK: ConstBool, HB: ConstInt):
+    """chunk_state's programs after chunk_cb's (cb_per_group programs per group of each batch row, first in the
+    grid): one launch for both, where the launcher would run chunk_cb next anyway (the planned forward,
+    launch.FUSED_CB). C . B^T needs neither the cumulative sums nor the states, so the fused launch saves
+    chunk_cb's place in the chain of dependent launches."""
+    dependent_launch_prologue()
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    n_cb = cb_per_group * (nheads // heads_per_group)
+    if pid < n_cb:
+        cb_block(C, B, cb, pid % cb_per_group, pid // cb_per_group, b, dstate, cb_diag != 0, L, BL, TILE_N)
+    else:
+        state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid - n_cb, b, seqlen, nheads, heads_per_group,
+                      n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)

@@ -38,7 +38,7 @@ from ..reference import state_update as ref_su
 from . import autotune, index_width
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import chunk_state_kernel
+from .chunk_state import chunk_state_cb_kernel, chunk_state_kernel
 from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
@@ -312,6 +312,7 @@ def kernel_hints(kernel_name: str, dtype: str, chunk_size: int) -> dict:
 _KERNEL_OBJECTS = {
     "chunk_cumsum": chunk_cumsum_kernel,
     "chunk_state": chunk_state_kernel,
+    "chunk_state_cb": chunk_state_cb_kernel,
     "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
@@ -561,7 +562,8 @@ def _stream_handle() -> int:
 # before it, which matters where a call is a few short kernels (T = 1K: tens of microseconds in all).
 # M2OPS_PDL=0 turns it off.
 PDL = envvars.switch("M2OPS_PDL", True)
-PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel", "chunk_cb_kernel",
+PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "chunk_state_cb_kernel", "state_passing_kernel",
+                         "chunk_cb_kernel",
                          "compute_out_kernel", "compute_out_carry_kernel", "segment_state_kernel", "segment_out_kernel",
                          "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
@@ -618,7 +620,7 @@ def _knobs() -> tuple:
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
-            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE)
+            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB)
 
 
 def _profiling_override() -> bool:
@@ -700,11 +702,28 @@ class _StatePlan(NamedTuple):
     separate: bool            # the entering states in their own array of entering_dtype
     chunk_state: Step
     state_passing: Step
+    fused_cb: bool = False    # chunk_state's launch also runs chunk_cb's programs (FUSED_CB); it takes C and cb
+
+
+# The planned forward launches chunk_cb's programs in front of chunk_state's, in one launch
+# (chunk_state.chunk_state_cb_kernel), instead of launching chunk_cb between state_passing and the output kernel:
+# one dependent launch fewer. An experiment, not yet measured on a GPU; off until it is. The planned forward
+# only (no seq_idx): the launchers' path runs the two ops' kernels as the ops do.
+FUSED_CB = False
+
+
+def cb_programs(out) -> tuple:
+    """(programs per group, diagonal blocks only, row block) of the chunk_cb launch of _OutPlan out: what
+    _state_plan needs to run those programs in chunk_state's launch."""
+    n, L, BL, TN, diag = out.chunk_cb.tail
+    return out.chunk_cb.grid[0], bool(diag), BL
 
 
 @_planned
 def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, separate, entering_dtype,
-                device) -> _StatePlan:
+                device, cb=None) -> _StatePlan:
+    """cb: cb_programs(out) to launch chunk_cb's programs with chunk_state's (where the row blocks agree), or
+    None."""
     nchunks = num_chunks(T, L)
     local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
                   and "bfloat16" in local_dtype_names(dname, L))
@@ -714,10 +733,17 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                                                              tn=chunk_state_tn(n)), T, p, n)
     k["HB"] = heads_per_program(k["HB"], h // g)  # (after CONSTANT_OVERRIDE, which may set any HB)
     n_state_tiles = cdiv(n, k["TN"])
-    chunk_state = _step((nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles, b, 1),
-                        _hinted("chunk_state", tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))),
-                        (T, h, h // g, n_state_tiles, n_ptiles,
-                         k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"]), device)
+    n_programs = nchunks * (h // k["HB"]) * n_ptiles * n_state_tiles
+    hints = tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))
+    consts = (k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"])
+    fused = cb is not None and cb[2] == k["BL"] and not has_seq
+    if fused:
+        per_group, diag, _ = cb
+        chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_cb", hints),
+                            (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), *consts), device)
+    else:
+        chunk_state = _step((n_programs, b, 1), _hinted("chunk_state", hints),
+                            (T, h, h // g, n_state_tiles, n_ptiles, *consts), device)
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     blk = state_block or forward_state_block()
     n_blocks = cdiv(p * n, blk)
@@ -727,7 +753,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                            ks["CHK"]),
                           device)
     return _StatePlan(states_shape(b, nchunks, h, p, n), torch.bfloat16 if local_bf16 else torch.float32,
-                      separate, chunk_state, state_passing)
+                      separate, chunk_state, state_passing, fused)
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
@@ -769,11 +795,13 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     return states, final_states, varlen
 
 
-def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, scratch=None, go=Step.launch):
+def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, scratch=None, go=Step.launch,
+                cb_arrays=None):
     """fwd_pass_state's buffers allocated and its two kernels launched by go, on arguments already in the kernels'
     form (init: float32 initial states or None). scratch: the (local, entering) state buffers, given (entering
     None unless plan.separate). Returns the states entering every chunk (in their own entering_dtype array when
-    plan.separate, else in place of the local states) and the final states."""
+    plan.separate, else in place of the local states) and the final states. cb_arrays: (C, cb), for a plan whose
+    chunk_state launch also forms C . B^T (plan.fused_cb)."""
     b, nchunks, h, p, n = plan.states_shape
     pn, dev = p * n, xk.device
     if scratch is None:
@@ -781,7 +809,10 @@ def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, s
                    torch.empty(plan.states_shape, dtype=entering_dtype, device=dev) if plan.separate else None)
     states, entering = scratch
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
-    go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states))
+    if plan.fused_cb:
+        go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states, *cb_arrays))
+    else:
+        go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states))
     init = init.reshape(b, h, pn) if init is not None else _dummy(xk, torch.float32, 3)
     go(plan.state_passing, (states.view(b, nchunks, h, pn), csk, seq, init, final_states.view(b, h, pn),
                             entering.view(b, nchunks, h, pn) if plan.separate else _dummy(xk, torch.float32, 4)))
@@ -903,12 +934,14 @@ def compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq, cb=None, go=Step.launch):
+def _run_out(plan: _OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq, cb=None, go=Step.launch, cb_done=False):
     """compute_out's buffers allocated (C . B^T's unless given as cb) and its two kernels launched by go, on
-    arguments already in the kernels' form. y comes out in xk's dtype."""
+    arguments already in the kernels' form (cb_done: cb given and already formed, by a fused chunk_state launch:
+    the output kernel alone). y comes out in xk's dtype."""
     if cb is None:
         cb = torch.empty(plan.cb_shape, dtype=plan.cb_dtype, device=xk.device)
-    go(plan.chunk_cb, (Ck, Bk, cb))
+    if not cb_done:
+        go(plan.chunk_cb, (Ck, Bk, cb))
     y = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
     go(plan.compute_out, (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y, Bk) if plan.carry
        else (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
@@ -1322,6 +1355,9 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
+    if FUSED_CB:
+        states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
+                             config.get("state_block"), entering is not None, entering, dev, cb_programs(out))
     cumsum = _cumsum_plan(b, T, h, sub, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
     cs_shape = cumsum_shape(b, T, h, sub)
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
@@ -1394,9 +1430,9 @@ def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
-                                       (local, entering), go)
+                                       (local, entering), go, (C, cb))
     y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,
-                 go)
+                 go, fp.states.fused_cb)
     return y, final_states
 
 

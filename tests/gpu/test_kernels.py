@@ -278,3 +278,30 @@ def test_torch_compile_reduce_overhead_matches_eager():
     for a, b in zip(out, eager):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("seqlen,dstate,walk", [(4096, 64, False), (1024, 256, True), (300, 32, False),
+                                                (1000, 128, True)])
+def test_fused_cb_gives_the_same_bits(monkeypatch, seqlen, dstate, walk):
+    """launch.FUSED_CB (chunk_cb's programs in chunk_state's launch, the planned forward) against the default
+    launches, eager and replayed from a CUDA graph, ten calls each: a missing dependency between the fused
+    launch and the output kernel, or the next call's launch overwriting C . B^T early, shows as differing
+    bits (tests/test_kernels_emulated.py checks the arithmetic, not the ordering)."""
+    from m2ops.kernels import launch
+    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", False if walk else None)
+    case = make_case(seqlen=seqlen, nheads=8, headdim=64, ngroups=2, dstate=dstate, dtype=torch.bfloat16,
+                     D="h", z=True, initial_states=True, chunk_size=256, seed=seqlen)
+    with torch.no_grad():
+        want = public_call(case)
+        monkeypatch.setattr(launch, "FUSED_CB", True)
+        got = [public_call(case) for _ in range(10)]
+        g, static_out = captured(lambda: public_call(case))
+        replays = []
+        for _ in range(10):
+            g.replay()
+            replays.append(tuple(t.clone() for t in static_out))
+    torch.cuda.synchronize()
+    assert any(fp.out is not None and fp.states.fused_cb for fp in launch._FORWARD_PLANS.values())
+    for out in got + replays:
+        for a, b in zip(out, want):
+            assert torch.equal(a, b)

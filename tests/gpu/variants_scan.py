@@ -135,6 +135,9 @@ VARIANTS["out reverse"] = ({}, {}, True, *_DEFAULT_FLAGS, "rev")
 VARIANTS["out forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "norev")
 VARIANTS["out walk reverse"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "rev")
 VARIANTS["out walk forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "norev")
+# chunk_cb's programs in chunk_state's launch (launch.FUSED_CB; the planned forward, so no overrides with it)
+VARIANTS["fused cb"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb")
+VARIANTS["fused cb walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "walk")
 
 
 @contextlib.contextmanager
@@ -142,9 +145,10 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
-                launch.OUT_REVERSE)
+                launch.OUT_REVERSE, launch.FUSED_CB)
     consts, hints, narrow, *flags = VARIANTS[name]
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-1])
+    launch.FUSED_CB = "fusedcb" in flags
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-2])
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
@@ -164,7 +168,7 @@ def variant(name):
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
-         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE) = defaults
+         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB) = defaults
 
 
 def main():

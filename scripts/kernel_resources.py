@@ -1,0 +1,105 @@
+"""Registers, stack frame and spills of kernel specialisations, built for sm_90 here, without a GPU.
+
+    .venv/bin/python scripts/kernel_resources.py chunk_state,chunk_cb [--match bfloat16,L=256] [--ptx-hash]
+
+Each specialisation of m2ops.kernels.specs.all_specs() whose kernel is named (and whose name contains every
+--match string) is exported to an sm_90 cubin. The cubin carries the PTX tileiras generated (its section
+.nv_debug_ptx_txt); with the line-number directives and the source section dropped, the CUDA wheel's own ptxas
+compiles it again with -v, which prints what the kernel uses. --ptx-hash adds a hash of that PTX, so that two
+trees can be compared: the same hash is the same code. Why: tileiras does not report resources, and the GPU
+machine is not always at hand (docs/performance-log.md v37 used this to read compute_out_carry's spills).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+
+import cuda.tile as ct  # noqa: F401 (cuda.tile must import before cuda.tile.compilation)
+from cuda.tile.compilation import export_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from m2ops.kernels.specs import all_specs  # noqa: E402
+
+
+def elf_section(blob: bytes, wanted: str) -> bytes:
+    """The contents of the ELF64 section named wanted."""
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
+
+    def header(i):
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize)
+        return name, offset, size
+
+    _, str_off, _ = header(shstrndx)
+    for i in range(shnum):
+        name, offset, size = header(i)
+        end = blob.index(b"\0", str_off + name)
+        if blob[str_off + name:end].decode() == wanted:
+            return blob[offset:offset + size]
+    raise KeyError(wanted)
+
+
+def clean_ptx(text: str) -> str:
+    """The PTX (its lines NUL-separated in the section) without debug line directives, DWARF sections and the
+    trailing intermediate-source section (ptxas rejects them without the files they name)."""
+    text = text.replace("\0", "\n").split(".section .nv_intermediate_source_section")[0]
+    text = re.split(r"^\s*\.section\s+\.debug", text, maxsplit=1, flags=re.M)[0]  # DWARF naming the files dropped
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r"\s*\.(loc|file)\b", line))
+
+
+def ptxas():
+    """The CUDA wheel's ptxas (the one tileiras uses)."""
+    import nvidia.cu13
+    return os.path.join(list(nvidia.cu13.__path__)[0], "bin", "ptxas")
+
+
+def resources(spec) -> tuple[str, str]:
+    """(ptxas -v's summary line, hash of the cleaned PTX) of one specialisation."""
+    buf = io.BytesIO()
+    export_kernel(spec.kernel, [spec.signature()], buf, gpu_code="sm_90", output_format="cubin")
+    ptx = clean_ptx(elf_section(buf.getvalue(), ".nv_debug_ptx_txt").decode(errors="replace"))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    report = out.stdout + out.stderr
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    regs = re.search(r"Used (\d+) registers", report)
+    if not (frame and regs):
+        return f"ptxas: {report.strip()[-300:]}", ""
+    summary = (f"{regs.group(1)} registers, {frame.group(1)} B stack, {frame.group(2)} B spill stores, "
+               f"{frame.group(3)} B spill loads")
+    return summary, hashlib.sha1(ptx.encode()).hexdigest()[:12]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernels", help="comma-separated kernel names of specs.py (chunk_state, compute_out_carry, ...)")
+    ap.add_argument("--match", default="", help="comma-separated strings each name must contain")
+    ap.add_argument("--ptx-hash", action="store_true")
+    args = ap.parse_args()
+    names = set(args.kernels.split(","))
+    match = [m for m in args.match.split(",") if m]
+    for spec in all_specs():
+        if spec.narrow or spec.kernel_name not in names or not all(m in spec.name for m in match):
+            continue
+        try:
+            summary, digest = resources(spec)
+        except Exception as e:  # noqa: BLE001 - reported per specialisation
+            summary, digest = f"failed: {e!r}"[:300], ""
+        print(f"{spec.name}: {summary}" + (f"  ptx {digest}" if args.ptx_hash else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
