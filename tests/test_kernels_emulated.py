@@ -938,11 +938,12 @@ def test_planned_forward_with_fused_cb(kw, carry, hb):
     kw.update(seq_idx=False, cu_seqlens=False, noncontig=False)
     if carry:
         kw.update(chunk_size=max(kw["chunk_size"], 128), dstate=min(kw["dstate"], 128))
+    if hb == 2:  # (two heads a program are built for bfloat16 at chunk 256 only)
+        kw.update(dtype=torch.bfloat16, chunk_size=256)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
         mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
-        mp.setattr(launch, "CHUNK_STATE_HEADS", {(d, L): (hb, None) for d in ("float16", "bfloat16", "float32")
-                                                 for L in (16, 32, 64, 128, 256)})
+        mp.setattr(launch, "CHUNK_STATE_HEADS", {("bfloat16", 256): (hb, None if hb == 1 else 2)})
         mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
         case = make_case(**kw)
         a = _forward_args(case)
@@ -957,6 +958,58 @@ def test_planned_forward_with_fused_cb(kw, carry, hb):
     assert "chunk_state_kernel" not in names
     for y, fin in ((y1, fin1), (y2, fin2)):
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
+@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
+def test_planned_forward_with_fused_cumsum(kw, carry, hb):
+    """FUSED_CUMSUM: the planned forward's chunk_state launch also does chunk_cumsum's work
+    (chunk_state_cumsum_cb_kernel) and chunk_cb's, and neither of those is launched; the same bits as the
+    launchers, for dt in float32 or the activations' dtype, either output kernel, one or two heads a program."""
+    kw.update(seq_idx=False, cu_seqlens=False, noncontig=False, chunk_size=256)
+    if carry:
+        kw.update(dstate=min(kw["dstate"], 128))
+    if hb == 2:  # (two heads a program are built for bfloat16 at chunk 256 only)
+        kw.update(dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
+        mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
+        mp.setattr(launch, "CHUNK_STATE_HEADS", {("bfloat16", 256): (hb, None if hb == 1 else 2)})
+        mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
+        case = make_case(**kw)
+        a = _forward_args(case)
+        with emulated_launches() as launches:
+            y0, fin0 = _launchers_forward(case)
+            mp.setattr(launch, "FUSED_CUMSUM", True)
+            n0 = len(launches)
+            y1, fin1 = launch.planned_forward(*a)
+            y2, fin2 = launch.planned_forward(*a)
+    names = [name for name, _, _ in launches[n0:]]
+    assert names.count("chunk_state_cumsum_cb_kernel") == 2, names
+    assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel", "chunk_state_cb_kernel"} & set(names)
+    for y, fin in ((y1, fin1), (y2, fin2)):
+        assert torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+def test_fused_cumsum_falls_back_where_not_built(monkeypatch):
+    """FUSED_CUMSUM at a chunk size it is not built for (or with dt in a third dtype) leaves chunk_cumsum its
+    launch: with FUSED_CB the cb fusion alone, without it the default launches."""
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    monkeypatch.setattr(launch, "FUSED_CUMSUM", True)
+    for chunk, dt_dtype, cb, fused in ((64, None, False, None), (64, None, True, "chunk_state_cb_kernel"),
+                                       (256, torch.float16, False, None)):
+        monkeypatch.setattr(launch, "FUSED_CB", cb)
+        case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=300, chunk_size=chunk, device="cpu",
+                         seed=4, dtype=torch.bfloat16, dt_dtype=dt_dtype)
+        with emulated_launches() as launches:
+            y0, fin0 = _launchers_forward(case)
+            n0 = len(launches)
+            y1, fin1 = launch.planned_forward(*_forward_args(case))
+        names = [name for name, _, _ in launches[n0:]]
+        assert "chunk_cumsum_kernel" in names and "chunk_state_cumsum_cb_kernel" not in names, names
+        assert (fused or "chunk_state_kernel") in names and ("chunk_cb_kernel" in names) == (fused is None)
+        assert torch.equal(y1, y0) and torch.equal(fin1, fin0)
+    launch.clear_plans()
 
 
 def test_fused_cb_needs_the_plan_without_overrides(monkeypatch):

@@ -35,7 +35,8 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .chunk_cb import cb_block
-from .common import (TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
+from .chunk_cumsum import dt_stages
+from .common import (TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
                      weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
@@ -112,3 +113,79 @@ def chunk_state_cb_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: 
     else:
         state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid - n_cb, b, seqlen, nheads, heads_per_group,
                       n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
+
+
+def heads_of(t, h0, HB):
+    """Columns h0 % TILE_H .. + HB of an (L, TILE_H) tile of one block of heads, as an (HB, L) tile. A one-hot
+    sum, exact (each output adds one element to zeros), where an index into the tile's columns would not be a
+    compile-time constant."""
+    pick = ct.arange(TILE_H, dtype=ct.int32)[:, None] == (h0 % TILE_H) + ct.arange(HB, dtype=ct.int32)[None, :]
+    return ct.transpose(ct.sum(ct.where(pick[None, :, :], t[:, :, None], 0.0), axis=1))
+
+
+def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, b, seqlen, nheads, heads_per_group,
+                          n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max, L, BL, TP, TN, CHK, HB):
+    """state_program without seq_idx, forming the chunk's dt and cumulative sums itself from dt (b, t, h) as
+    chunk_cumsum does, over the same (L, TILE_H) tile (so the same bits), and storing them for the kernels after
+    it from the programs of the first headdim and dstate tile."""
+    nt = pid % n_ntiles
+    rest = pid // n_ntiles
+    pt = rest % n_ptiles
+    rest = rest // n_ptiles
+    hb = rest % (nheads // HB)
+    c = rest // (nheads // HB)
+    g = (hb * HB) // heads_per_group
+    h0 = hb * HB
+    blk = h0 // TILE_H            # the launcher makes HB divide TILE_H, so the HB heads share one block
+
+    _, _, d, _ = dt_stages(dt, dt_bias, b, c, blk, seqlen, has_bias, dt_softplus, dt_min, dt_max, L, TILE_H)
+    a = ct.load(A, (blk,), shape=(TILE_H,), padding_mode=_ZERO).astype(ct.float32)
+    cs = heads_of(ct.cumsum(d * a[None, :], axis=0), h0, HB)      # (HB, L)
+    dh = heads_of(d, h0, HB)
+    if pt == 0:
+        if nt == 0:
+            ct.store(dt_out, (b, hb, c, 0), dh.reshape((1, HB, 1, L)))
+            ct.store(dA_cumsum, (b, hb, c, 0), cs.reshape((1, HB, 1, L)))
+    cs_last = ct.extract(cs, index=(0, L - 1), shape=(HB, 1))
+    # every token's weight at once; each step takes its sub-block's by a one-hot sum (exact, as above)
+    w_all = token_weight(cs_last, cs, dh).reshape((HB, L // BL, BL))
+    subs = ct.arange(L // BL, dtype=ct.int32)
+
+    s = ct.zeros((HB * TP, TN), dtype=ct.float32)
+    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
+    for sb in range(n_sub):
+        w = ct.sum(ct.where((subs == sb)[None, :, None], w_all, 0.0), axis=1)      # (HB, BL)
+        row = c * (L // BL) + sb
+        bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        if HB == 1:
+            xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+            s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
+        else:
+            xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
+            xw = scale_by(xs, ct.transpose(w)[:, :, None])
+            s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
+
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
+
+
+@ct.kernel
+def chunk_state_cumsum_cb_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big, states: Big,
+                                 C: Big, cb: Big,
+                                 seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
+                                 cb_per_group: int, dstate: int, cb_diag: int, has_bias: int, dt_softplus: int,
+                                 dt_min: float, dt_max: float,
+                                 L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, CHK: ConstBool,
+                                 HB: ConstInt):
+    """chunk_state_cb_kernel that also does chunk_cumsum's work (launch.FUSED_CUMSUM, the planned forward without
+    seq_idx): each state program forms its chunk's dt and cumulative sums from dt itself, so the forward is three
+    dependent launches (this one, state_passing, the output kernel) instead of five."""
+    dependent_launch_prologue()
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    n_cb = cb_per_group * (nheads // heads_per_group)
+    if pid < n_cb:
+        cb_block(C, B, cb, pid % cb_per_group, pid // cb_per_group, b, dstate, cb_diag != 0, L, BL, TILE_N)
+    else:
+        state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid - n_cb, b, seqlen, nheads,
+                              heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max,
+                              L, BL, TP, TN, CHK, HB)

@@ -38,7 +38,7 @@ from ..reference import state_update as ref_su
 from . import autotune, index_width
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import chunk_state_cb_kernel, chunk_state_kernel
+from .chunk_state import chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel
 from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
@@ -313,6 +313,7 @@ _KERNEL_OBJECTS = {
     "chunk_cumsum": chunk_cumsum_kernel,
     "chunk_state": chunk_state_kernel,
     "chunk_state_cb": chunk_state_cb_kernel,
+    "chunk_state_cumsum_cb": chunk_state_cumsum_cb_kernel,
     "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
@@ -562,8 +563,8 @@ def _stream_handle() -> int:
 # before it, which matters where a call is a few short kernels (T = 1K: tens of microseconds in all).
 # M2OPS_PDL=0 turns it off.
 PDL = envvars.switch("M2OPS_PDL", True)
-PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "chunk_state_cb_kernel", "state_passing_kernel",
-                         "chunk_cb_kernel",
+PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "chunk_state_cb_kernel",
+                         "chunk_state_cumsum_cb_kernel", "state_passing_kernel", "chunk_cb_kernel",
                          "compute_out_kernel", "compute_out_carry_kernel", "segment_state_kernel", "segment_out_kernel",
                          "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
@@ -620,7 +621,7 @@ def _knobs() -> tuple:
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
-            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB)
+            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM)
 
 
 def _profiling_override() -> bool:
@@ -703,6 +704,7 @@ class _StatePlan(NamedTuple):
     chunk_state: Step
     state_passing: Step
     fused_cb: bool = False    # chunk_state's launch also runs chunk_cb's programs (FUSED_CB); it takes C and cb
+    fused_cumsum: bool = False  # ... and does chunk_cumsum's work (FUSED_CUMSUM); it takes dt, A and dt_bias too
 
 
 # The planned forward launches chunk_cb's programs in front of chunk_state's, in one launch
@@ -710,6 +712,25 @@ class _StatePlan(NamedTuple):
 # one dependent launch fewer. An experiment, not yet measured on a GPU; off until it is. The planned forward
 # only (no seq_idx): the launchers' path runs the two ops' kernels as the ops do.
 FUSED_CB = False
+# ... and chunk_cumsum's work too (chunk_state.chunk_state_cumsum_cb_kernel: each state program forms its chunk's dt
+# and cumulative sums from dt, and the first headdim and dstate tile's program stores them for the kernels after
+# it): three dependent launches. Built at FUSED_CUMSUM_CHUNKS only, for dt in float32 or the activations' dtype.
+# An experiment, not yet measured; off.
+FUSED_CUMSUM = False
+FUSED_CUMSUM_CHUNKS = (256,)
+
+
+def fused_cumsum_can_run(chunk_size: int, heads: int) -> bool:
+    """Whether chunk_state_cumsum_cb_kernel is built for this chunk size and heads per program (HB heads must lie
+    in one of chunk_cumsum's blocks of TILE_H)."""
+    return chunk_size in FUSED_CUMSUM_CHUNKS and TILE_H % heads == 0
+
+
+def fused_cumsum_constants(chunk_size: int, check: bool, heads: int, tn: int) -> dict:
+    """chunk_state_cumsum_cb_kernel's constants: chunk_state's without HAS_SEQ (it has no seq_idx)."""
+    k = chunk_state_constants(chunk_size, False, check, heads, tn)
+    k.pop("HAS_SEQ")
+    return k
 
 
 def cb_programs(out) -> tuple:
@@ -721,9 +742,10 @@ def cb_programs(out) -> tuple:
 
 @_planned
 def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, separate, entering_dtype,
-                device, cb=None) -> _StatePlan:
+                device, cb=None, dt_args=None) -> _StatePlan:
     """cb: cb_programs(out) to launch chunk_cb's programs with chunk_state's (where the row blocks agree), or
-    None."""
+    None. dt_args (with cb): chunk_cumsum's (has_bias, dt_softplus, dt_min, dt_max), to do its work in the same
+    launch where that is built (fused_cumsum_can_run), or None."""
     nchunks = num_chunks(T, L)
     local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
                   and "bfloat16" in local_dtype_names(dname, L))
@@ -737,7 +759,15 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
     hints = tuple(sorted(chunk_state_hints(dname, L, k["HB"]).items()))
     consts = (k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"])
     fused = cb is not None and cb[2] == k["BL"] and not has_seq
-    if fused:
+    fused_cumsum = fused and dt_args is not None and fused_cumsum_can_run(L, k["HB"])
+    if fused_cumsum:
+        per_group, diag, _ = cb
+        has_bias, softplus, dt_min, dt_max = dt_args
+        chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_cumsum_cb", hints),
+                            (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), int(has_bias),
+                             int(softplus), float(dt_min), float(dt_max), k["L"], k["BL"], k["TP"], k["TN"],
+                             k["CHK"], k["HB"]), device)
+    elif fused:
         per_group, diag, _ = cb
         chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_cb", hints),
                             (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), *consts), device)
@@ -753,7 +783,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                            ks["CHK"]),
                           device)
     return _StatePlan(states_shape(b, nchunks, h, p, n), torch.bfloat16 if local_bf16 else torch.float32,
-                      separate, chunk_state, state_passing, fused)
+                      separate, chunk_state, state_passing, fused, fused_cumsum)
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
@@ -796,12 +826,13 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
 
 
 def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, scratch=None, go=Step.launch,
-                cb_arrays=None):
+                cb_arrays=None, dt_arrays=None):
     """fwd_pass_state's buffers allocated and its two kernels launched by go, on arguments already in the kernels'
     form (init: float32 initial states or None). scratch: the (local, entering) state buffers, given (entering
     None unless plan.separate). Returns the states entering every chunk (in their own entering_dtype array when
     plan.separate, else in place of the local states) and the final states. cb_arrays: (C, cb), for a plan whose
-    chunk_state launch also forms C . B^T (plan.fused_cb)."""
+    chunk_state launch also forms C . B^T (plan.fused_cb); dt_arrays: (dt, A, dt_bias or A) as chunk_cumsum takes
+    them, for a plan whose chunk_state launch also writes dtk and csk (plan.fused_cumsum)."""
     b, nchunks, h, p, n = plan.states_shape
     pn, dev = p * n, xk.device
     if scratch is None:
@@ -809,7 +840,9 @@ def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, s
                    torch.empty(plan.states_shape, dtype=entering_dtype, device=dev) if plan.separate else None)
     states, entering = scratch
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
-    if plan.fused_cb:
+    if plan.fused_cumsum:
+        go(plan.chunk_state, (xk, Bk, *dt_arrays, dtk, csk, states, *cb_arrays))
+    elif plan.fused_cb:
         go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states, *cb_arrays))
     else:
         go(plan.chunk_state, (xk, Bk, dtk, csk, seq, states))
@@ -1355,9 +1388,15 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                     has_d, z is not None, dev)
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
-    if FUSED_CB:
+    dt_args = ((dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max))
+               if FUSED_CUMSUM and dt.dtype in (torch.float32, x.dtype) else None)
+    if FUSED_CB or dt_args is not None:
         states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
-                             config.get("state_block"), entering is not None, entering, dev, cb_programs(out))
+                             config.get("state_block"), entering is not None, entering, dev, cb_programs(out),
+                             dt_args)
+        if dt_args is not None and not states.fused_cumsum and not FUSED_CB:
+            states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
+                                 config.get("state_block"), entering is not None, entering, dev)
     cumsum = _cumsum_plan(b, T, h, sub, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
     cs_shape = cumsum_shape(b, T, h, sub)
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
@@ -1427,10 +1466,12 @@ def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     launchers called at that chunk size: forward_plan)."""
     dt_out, dA_cumsum, local, entering, cb = _planned_scratch(fp, x.device)
     go = fp.go
-    _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, dt_bias if dt_bias is not None else A, (dt_out, dA_cumsum), go)
+    bias = dt_bias if dt_bias is not None else A
+    if not fp.states.fused_cumsum:
+        _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias, (dt_out, dA_cumsum), go)
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
-                                       (local, entering), go, (C, cb))
+                                       (local, entering), go, (C, cb), (dt, A, bias))
     y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,
                  go, fp.states.fused_cb)
     return y, final_states

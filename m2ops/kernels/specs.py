@@ -31,7 +31,7 @@ from . import index_width, launch, launch_bwd
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import chunk_state_cb_kernel, chunk_state_kernel
+from .chunk_state import chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
 from .compute_out_carry import compute_out_carry_kernel
@@ -114,6 +114,7 @@ _KERNELS = {
     "chunk_cumsum": chunk_cumsum_kernel,
     "chunk_state": chunk_state_kernel,
     "chunk_state_cb": chunk_state_cb_kernel,
+    "chunk_state_cumsum_cb": chunk_state_cumsum_cb_kernel,
     "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
@@ -157,6 +158,9 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "chunk_state_cb":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(local_dtype, 5), _a(dt, 4),
                 _a(cb_dtype, 5), _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_state_cumsum_cb":
+        return (_a(dt, 4), _a(dt, 4), _a(dt_dtype, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
+                _a(local_dtype, 5), _a(dt, 4), _a(cb_dtype, 5), *(_INT,) * 10, _FLOAT, _FLOAT)
     if kernel_name == "state_passing":
         return (_a(local_dtype, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
                 _INT, _INT, _INT, _INT, _INT)
@@ -245,6 +249,17 @@ def all_specs() -> list[Spec]:
                                                     tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
                                                     dtypes=tuple((r, d) for r, d in (("local", ld), ("cb", cbd))
                                                                  if d != F32)))
+                                    if launch.fused_cumsum_can_run(L, hb):
+                                        # ... and chunk_cumsum's work, for dt in float32 or the activations' dtype
+                                        for dtd in sorted({F32, dt}):
+                                            out.append(Spec("chunk_state_cumsum_cb", dt,
+                                                            launch.fused_cumsum_constants(L, check, hb, tn),
+                                                            _params("chunk_state_cumsum_cb", dt, dt_dtype=dtd,
+                                                                    local_dtype=ld, cb_dtype=cbd),
+                                                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                                                            dtypes=tuple((r, d) for r, d in
+                                                                         (("dt", dtd), ("local", ld), ("cb", cbd))
+                                                                         if d != F32)))
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.

@@ -138,6 +138,9 @@ VARIANTS["out walk forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "norev")
 # chunk_cb's programs in chunk_state's launch (launch.FUSED_CB; the planned forward, so no overrides with it)
 VARIANTS["fused cb"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb")
 VARIANTS["fused cb walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "walk")
+# ... and chunk_cumsum's work in that launch too (launch.FUSED_CUMSUM, chunk 256)
+VARIANTS["fused cumsum"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum")
+VARIANTS["fused cumsum walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "walk")
 
 
 @contextlib.contextmanager
@@ -145,10 +148,11 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
-                launch.OUT_REVERSE, launch.FUSED_CB)
+                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM)
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-2])
+    launch.FUSED_CUMSUM = "fusedcumsum" in flags
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-3])
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
@@ -168,7 +172,7 @@ def variant(name):
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
-         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB) = defaults
+         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM) = defaults
 
 
 def main():
