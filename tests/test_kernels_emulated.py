@@ -929,16 +929,14 @@ def test_separate_carry_grad_rule(monkeypatch):
         assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
 
 
-@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
-@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_fused_cb(kw, carry, hb):
-    """FUSED_CB: the planned forward runs chunk_cb's programs in chunk_state's launch (chunk_state_cb_kernel) and
-    launches chunk_cb no more; the same bits as the launchers, with either output kernel (compute_out_carry reads
-    the diagonal blocks, the walk the whole triangle) and chunk_state at one or two heads a program."""
+def _fused_planned_calls(kw, carry, hb, switch):
+    """(launch names, [(y, final)] of two planned calls, (y, final) of the launchers) for a cases() draw without
+    seq_idx, with launch.<switch> set for the planned calls, the output kernel forced (carry) and chunk_state at hb
+    heads a program (two heads are built for bfloat16 at chunk 256 only, so hb 2 takes those)."""
     kw.update(seq_idx=False, cu_seqlens=False, noncontig=False)
     if carry:
         kw.update(chunk_size=max(kw["chunk_size"], 128), dstate=min(kw["dstate"], 128))
-    if hb == 2:  # (two heads a program are built for bfloat16 at chunk 256 only)
+    if hb == 2:
         kw.update(dtype=torch.bfloat16, chunk_size=256)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
@@ -948,15 +946,24 @@ def test_planned_forward_with_fused_cb(kw, carry, hb):
         case = make_case(**kw)
         a = _forward_args(case)
         with emulated_launches() as launches:
-            y0, fin0 = _launchers_forward(case)
-            mp.setattr(launch, "FUSED_CB", True)
+            want = _launchers_forward(case)
+            mp.setattr(launch, switch, True)
             n0 = len(launches)
-            y1, fin1 = launch.planned_forward(*a)
-            y2, fin2 = launch.planned_forward(*a)  # the kept scratch: its cb written again by the fused launch
-    names = [name for name, _, _ in launches[n0:]]
+            # twice: the second call on the kept scratch, which the fused launch must write again
+            got = [launch.planned_forward(*a), launch.planned_forward(*a)]
+    return [name for name, _, _ in launches[n0:]], got, want
+
+
+@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
+@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
+def test_planned_forward_with_fused_cb(kw, carry, hb):
+    """FUSED_CB: the planned forward runs chunk_cb's programs in chunk_state's launch (chunk_state_cb_kernel) and
+    launches chunk_cb no more; the same bits as the launchers, with either output kernel (compute_out_carry reads
+    the diagonal blocks, the walk the whole triangle) and chunk_state at one or two heads a program."""
+    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, "FUSED_CB")
     assert names.count("chunk_state_cb_kernel") == 2 and "chunk_cb_kernel" not in names, names
     assert "chunk_state_kernel" not in names
-    for y, fin in ((y1, fin1), (y2, fin2)):
+    for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
 
 
@@ -966,28 +973,11 @@ def test_planned_forward_with_fused_cumsum(kw, carry, hb):
     """FUSED_CUMSUM: the planned forward's chunk_state launch also does chunk_cumsum's work
     (chunk_state_cumsum_cb_kernel) and chunk_cb's, and neither of those is launched; the same bits as the
     launchers, for dt in float32 or the activations' dtype, either output kernel, one or two heads a program."""
-    kw.update(seq_idx=False, cu_seqlens=False, noncontig=False, chunk_size=256)
-    if carry:
-        kw.update(dstate=min(kw["dstate"], 128))
-    if hb == 2:  # (two heads a program are built for bfloat16 at chunk 256 only)
-        kw.update(dtype=torch.bfloat16)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
-        mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
-        mp.setattr(launch, "CHUNK_STATE_HEADS", {("bfloat16", 256): (hb, None if hb == 1 else 2)})
-        mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
-        case = make_case(**kw)
-        a = _forward_args(case)
-        with emulated_launches() as launches:
-            y0, fin0 = _launchers_forward(case)
-            mp.setattr(launch, "FUSED_CUMSUM", True)
-            n0 = len(launches)
-            y1, fin1 = launch.planned_forward(*a)
-            y2, fin2 = launch.planned_forward(*a)
-    names = [name for name, _, _ in launches[n0:]]
+    kw.update(chunk_size=256)
+    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, "FUSED_CUMSUM")
     assert names.count("chunk_state_cumsum_cb_kernel") == 2, names
     assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel", "chunk_state_cb_kernel"} & set(names)
-    for y, fin in ((y1, fin1), (y2, fin2)):
+    for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
 
 

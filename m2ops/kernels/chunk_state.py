@@ -42,17 +42,35 @@ from .common import (TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_
 _ZERO = ct.PaddingMode.ZERO
 
 
-def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
-                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
-    """Program pid of the local states of batch row b (the grid's order: dstate tile fastest, then headdim tile,
-    block of heads, chunk)."""
+def program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB):
+    """(dstate tile, headdim tile, block of HB heads, chunk, group) of state program pid (the grid's order:
+    dstate tile fastest, then headdim tile, block of heads, chunk)."""
     nt = pid % n_ntiles
     rest = pid // n_ntiles
     pt = rest % n_ptiles
     rest = rest // n_ptiles
     hb = rest % (nheads // HB)     # block of HB heads (the launcher makes HB divide nheads)
     c = rest // (nheads // HB)
-    g = (hb * HB) // heads_per_group
+    return nt, pt, hb, c, (hb * HB) // heads_per_group
+
+
+def add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
+    """s + (w x)^T B over the BL tokens of row block row, w (HB, BL) the tokens' weights."""
+    bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
+    if HB == 1:
+        xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
+    else:
+        xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
+        xw = scale_by(xs, ct.transpose(w)[:, :, None])
+        s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
+    return s
+
+
+def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
+                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
+    """Program pid of the local states of batch row b."""
+    nt, pt, hb, c, g = program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB)
 
     # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone (a
     # per-thread global load, where the tile's is a TMA copy; neutral on the H200, docs/performance-log.md v19).
@@ -72,14 +90,7 @@ def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nhea
         if HAS_SEQ:
             seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((1, BL))
             w = ct.where(seq == seq_last, w, 0.0)
-        bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        if HB == 1:
-            xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-            s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
-        else:
-            xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
-            xw = scale_by(xs, ct.transpose(w)[:, :, None])
-            s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
+        s = add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
     ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
 
@@ -128,13 +139,7 @@ def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, 
     """state_program without seq_idx, forming the chunk's dt and cumulative sums itself from dt (b, t, h) as
     chunk_cumsum does, over the same (L, TILE_H) tile (so the same bits), and storing them for the kernels after
     it from the programs of the first headdim and dstate tile."""
-    nt = pid % n_ntiles
-    rest = pid // n_ntiles
-    pt = rest % n_ptiles
-    rest = rest // n_ptiles
-    hb = rest % (nheads // HB)
-    c = rest // (nheads // HB)
-    g = (hb * HB) // heads_per_group
+    nt, pt, hb, c, g = program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB)
     h0 = hb * HB
     blk = h0 // TILE_H            # the launcher makes HB divide TILE_H, so the HB heads share one block
 
@@ -155,15 +160,7 @@ def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, 
     n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
     for sb in range(n_sub):
         w = ct.sum(ct.where((subs == sb)[None, :, None], w_all, 0.0), axis=1)      # (HB, BL)
-        row = c * (L // BL) + sb
-        bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        if HB == 1:
-            xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-            s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
-        else:
-            xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
-            xw = scale_by(xs, ct.transpose(w)[:, :, None])
-            s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
+        s = add_sub_block(s, x, B, w, b, c * (L // BL) + sb, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
     ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
 
