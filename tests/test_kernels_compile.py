@@ -122,7 +122,8 @@ def test_specialisations_are_enumerated():
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     kinds = {s.kernel_name for s in specs}
-    assert kinds == {"chunk_cumsum", "chunk_state", "chunk_state_cb", "chunk_state_cumsum_cb", "state_passing",
+    assert kinds == {"chunk_cumsum", "chunk_state", "chunk_state_cb", "chunk_state_cumsum_cb", "chunk_state_pass",
+                     "state_passing",
                      "varlen_states", "chunk_cb", "compute_out",
                      "compute_out_carry",
                      "state_update", "segment_state", "segment_out", "chunk_cumsum_bwd", "state_passing_bwd", "state_carry_grad",

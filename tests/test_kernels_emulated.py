@@ -19,14 +19,14 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 from gpu_cases import TOL, make_case, per_head_sum_err, per_head_sum_scales, reference_forward, rel_err  # noqa: E402
-from tile_emulator import emulated_kernels  # noqa: E402
+from tile_emulator import emulated_kernels, shuffled_programs  # noqa: E402
 
 from m2ops.kernels import launch  # noqa: E402
 from m2ops.reference import state_update as ref_su  # noqa: E402
@@ -41,10 +41,12 @@ def _check(out, expected, kind, dtype, what):
 
 
 @contextlib.contextmanager
-def emulated_launches():
-    """emulated_kernels(), recording every launch as (kernel name, grid, arguments)."""
+def emulated_launches(shuffle_seed=None):
+    """emulated_kernels(), recording every launch as (kernel name, grid, arguments); with shuffle_seed, each launch's
+    programs run in a shuffled order (tile_emulator.shuffled_programs)."""
     launches = []
-    with emulated_kernels():
+    with emulated_kernels() as emu, (shuffled_programs(emu, shuffle_seed) if shuffle_seed is not None
+                                     else contextlib.nullcontext()):
         emulated = launch._launch
 
         def spy(grid, kernel, args, *rest):
@@ -929,10 +931,12 @@ def test_separate_carry_grad_rule(monkeypatch):
         assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
 
 
-def _fused_planned_calls(kw, carry, hb, switch):
+def _fused_planned_calls(kw, carry, hb, switches, shuffle_seed=None, launched=None):
     """(launch names, [(y, final)] of two planned calls, (y, final) of the launchers) for a cases() draw without
-    seq_idx, with launch.<switch> set for the planned calls, the output kernel forced (carry) and chunk_state at hb
-    heads a program (two heads are built for bfloat16 at chunk 256 only, so hb 2 takes those)."""
+    seq_idx, with launch.<switch> set for the planned calls for each of switches (a name or a tuple), the output
+    kernel forced (carry) and chunk_state at hb heads a program (two heads are built for bfloat16 at chunk 256
+    only, so hb 2 takes those). launched: a list that receives the planned calls' (name, grid, args) launches."""
+    switches = (switches,) if isinstance(switches, str) else switches
     kw.update(seq_idx=False, cu_seqlens=False, noncontig=False)
     if carry:
         kw.update(chunk_size=max(kw["chunk_size"], 128), dstate=min(kw["dstate"], 128))
@@ -945,12 +949,15 @@ def _fused_planned_calls(kw, carry, hb, switch):
         mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
         case = make_case(**kw)
         a = _forward_args(case)
-        with emulated_launches() as launches:
+        with emulated_launches(shuffle_seed) as launches:
             want = _launchers_forward(case)
-            mp.setattr(launch, switch, True)
+            for switch in switches:
+                mp.setattr(launch, switch, True)
             n0 = len(launches)
             # twice: the second call on the kept scratch, which the fused launch must write again
             got = [launch.planned_forward(*a), launch.planned_forward(*a)]
+    if launched is not None:
+        launched += launches[n0:]
     return [name for name, _, _ in launches[n0:]], got, want
 
 
@@ -979,6 +986,58 @@ def test_planned_forward_with_fused_cumsum(kw, carry, hb):
     assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel", "chunk_state_cb_kernel"} & set(names)
     for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+_FOUR_CHUNKS = dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=1000, nheads=4, ngroups=1, headdim=80,
+                    dstate=100, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
+                    initial_states=True, seq_idx=False, cu_seqlens=False, nseqs=1, noncontig=False, seed=11,
+                    dt_dtype=torch.float32, device="cpu")
+
+
+@given(kw=cases(), seqlen=st.integers(1, 1024), carry=st.booleans(), hb=st.sampled_from([1, 2]),
+       mode=st.sampled_from([(), ("FUSED_CB",), ("FUSED_CUMSUM",)]), seed=st.integers(0, 2 ** 16))
+@example(kw=_FOUR_CHUNKS, seqlen=1000, carry=False, hb=2, mode=("FUSED_CUMSUM",), seed=1)
+@example(kw=_FOUR_CHUNKS, seqlen=1024, carry=True, hb=1, mode=(), seed=2)
+@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
+def test_planned_forward_with_fused_pass(kw, seqlen, carry, hb, mode, seed):
+    """FUSED_PASS (bfloat16, chunk 256, up to four chunks): the planned forward's chunk_state launch also does
+    state_passing's work (chunk_state_pass_kernel: the last of each state tile's programs walks its chunks), alone
+    or with FUSED_CB / FUSED_CUMSUM's work, and state_passing is not launched; the launchers' bits. The programs
+    run in a shuffled order, so the walk is done by programs of any chunk, and the counters are left at zero."""
+    kw.update(seqlen=seqlen, dtype=torch.bfloat16, chunk_size=256)
+    launched = []
+    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, ("FUSED_PASS", *mode), seed, launched)
+    assert names.count("chunk_state_pass_kernel") == 2, names
+    gone = {"state_passing_kernel", "chunk_state_kernel", "chunk_state_cb_kernel", "chunk_state_cumsum_cb_kernel"}
+    gone |= {"FUSED_CB": {"chunk_cb_kernel"}, "FUSED_CUMSUM": {"chunk_cb_kernel", "chunk_cumsum_kernel"}}.get(
+        mode[0] if mode else None, set())
+    assert not gone & set(names), names
+    for name, grid, args in launched:
+        if name == "chunk_state_pass_kernel":
+            counters = args[13]
+            assert counters.dtype == torch.int32 and not counters.any()
+            assert args[-2:] == (bool(mode), mode == ("FUSED_CUMSUM",))  # CB, CUMSUM
+    for y, fin in got:
+        assert torch.equal(y, y0) and torch.equal(fin, fin0)
+
+
+def test_fused_pass_only_for_short_sequences(monkeypatch):
+    """FUSED_PASS leaves state_passing its launch past FUSED_PASS_MAX_CHUNKS chunks, at other chunk sizes and for
+    other dtypes (where the planned forward has no bfloat16 entering states); the launchers' bits everywhere."""
+    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    for seqlen, chunk, dtype, fused in ((1024, 256, torch.bfloat16, True), (1025, 256, torch.bfloat16, False),
+                                        (256, 128, torch.bfloat16, False), (512, 256, torch.float16, False)):
+        monkeypatch.setattr(launch, "FUSED_PASS", True)
+        case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=seqlen, chunk_size=chunk, device="cpu",
+                         seed=5, dtype=dtype, initial_states=True)
+        with emulated_launches() as launches:
+            y0, fin0 = _launchers_forward(case)
+            n0 = len(launches)
+            y1, fin1 = launch.planned_forward(*_forward_args(case))
+        names = [name for name, _, _ in launches[n0:]]
+        assert ("chunk_state_pass_kernel" in names) == fused and ("state_passing_kernel" in names) != fused, names
+        assert torch.equal(y1, y0) and torch.equal(fin1, fin0)
+    launch.clear_plans()
 
 
 def test_fused_cumsum_falls_back_where_not_built(monkeypatch):

@@ -10,13 +10,15 @@ cuda.tile the kernels use, implemented in PyTorch:
   out-of-bounds load shows up as NaN in its outputs instead of passing by luck.
   A load with check_bounds=False that reaches outside the array raises (undefined behaviour on a GPU).
 - ct.store writes the in-bounds part of the tile (like cuTile, which clips).
+- ct.atomic_add / ct.atomic_xchg on one element (scalar indices) return the old value; memory orders are
+  accepted and ignored, since programs run one at a time.
 - ct.mma(a, b, acc) = acc + a @ b in float32 (inputs already rounded to their dtype; tf32 rounding is
   applied where the kernel converts to ct.tfloat32).
 - tile.astype(dtype) is added to torch.Tensor while emulating.
 
 What it cannot find: compiler problems (those are the AOT compile test's job), races between programs (the
-programs run one after another, in grid order), and speed. The result of a correct kernel matches the GPU's up
-to floating-point summation order.
+programs run one after another, in grid order, or in a shuffled order under `shuffled_programs`), and speed.
+The result of a correct kernel matches the GPU's up to floating-point summation order.
 
 Use: `with emulated_kernels(): ...` runs every launch of m2ops.kernels.launch on the CPU tensors it is given.
 """
@@ -55,9 +57,12 @@ class _Emu:
     tfloat32 = _TF32
     PaddingMode = real_ct.PaddingMode
     RoundingMode = real_ct.RoundingMode
+    MemoryOrder = real_ct.MemoryOrder
+    MemoryScope = real_ct.MemoryScope
 
     def __init__(self):
         self.bids = (0, 0, 0)
+        self.shuffle = None  # a random.Random: each launch's programs run in an order it draws
 
     # ---- program ids ----
     def bid(self, axis):
@@ -107,6 +112,25 @@ class _Emu:
             dst.append(slice(lo, hi))
             src.append(slice(lo - o, hi - o))
         array[tuple(dst)] = tile[tuple(src)].to(array.dtype)
+
+    @staticmethod
+    def _element(array, indices):
+        indices = tuple(int(i) for i in (indices if isinstance(indices, tuple) else (indices,)))
+        if len(indices) != array.dim() or any(not 0 <= i < n for i, n in zip(indices, array.shape)):
+            raise IndexError(f"atomic at {indices} of an array of shape {tuple(array.shape)}")
+        return indices
+
+    def atomic_add(self, array, indices, update, **_):
+        at = self._element(array, indices)
+        old = array[at].clone()
+        array[at] += update
+        return old
+
+    def atomic_xchg(self, array, indices, update, **_):
+        at = self._element(array, indices)
+        old = array[at].clone()
+        array[at] = update
+        return old
 
     # Programmatic dependent launch: programs run one launch at a time here, so both are no-ops.
     @staticmethod
@@ -197,14 +221,14 @@ class _Emu:
 
 
 def run(kernel, grid, args, emu: _Emu):
-    """Every program of grid (x, y, z), in order, on the kernel's Python body."""
+    """Every program of grid (x, y, z) on the kernel's Python body: in grid order, or in an order emu.shuffle draws."""
     fn = kernel._pyfunc
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    for z in range(gz):
-        for y in range(gy):
-            for x in range(gx):
-                emu.bids = (x, y, z)
-                fn(*args)
+    bids = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
+    if emu.shuffle is not None:
+        emu.shuffle.shuffle(bids)
+    for emu.bids in bids:
+        fn(*args)
 
 
 # specs.launch_key of every launch run here without a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE):
@@ -216,6 +240,18 @@ def _record(kernel, args):
     from m2ops.kernels import launch, specs
     if not launch.CONSTANT_OVERRIDE and not launch.HINT_OVERRIDE:
         LAUNCHED.add(specs.launch_key(kernel, args))
+
+
+@contextlib.contextmanager
+def shuffled_programs(emu: _Emu, seed: int):
+    """Within the block, each launch's programs run in a random order (seeded): a kernel whose programs
+    communicate (an atomic count, launch.FUSED_PASS) must not depend on which finishes last."""
+    import random
+    emu.shuffle = random.Random(seed)
+    try:
+        yield
+    finally:
+        emu.shuffle = None
 
 
 @contextlib.contextmanager

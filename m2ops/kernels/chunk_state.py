@@ -24,6 +24,9 @@ per token). The launcher only takes HB > 1 where HB divides the heads of a group
 With seq_idx (HAS_SEQ), tokens whose sequence differs from the chunk's last token add nothing (their
 contribution belongs to a state that ends inside the chunk; varlen_states recomputes those).
 
+chunk_state_pass_kernel (launch.FUSED_PASS, short sequences) also does state_passing's work: the last of a state
+tile's programs to finish walks the tile's chunks (pass_if_last), so that no launch of state_passing is needed.
+
 chunk_state_cb_kernel is the same kernel with chunk_cb's programs (chunk_cb.cb_block) in front of these in its grid,
 for launch.FUSED_CB: chunk_cb needs only C and B, so its work can ride in this launch instead of taking a
 launch of its own in the chain of dependent launches. Both kernels call state_program, so the state programs
@@ -36,8 +39,8 @@ import cuda.tile as ct
 
 from .chunk_cb import cb_block
 from .chunk_cumsum import dt_stages
-from .common import (TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile, scale_by, token_weight,
-                     weighted_state_product)
+from .common import (LOG2E, TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, exp2, load_tile,
+                     scale_by, token_weight, weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -68,8 +71,10 @@ def add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
 
 
 def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
-                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
-    """Program pid of the local states of batch row b."""
+                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB, TMA=None):
+    """Program pid of the local states of batch row b; returns cs at the chunk's last token, (HB, 1). TMA: the
+    local state's store may use the copy engine (None, the default) or not (False: pass_if_last reads it back from
+    other programs after an atomic, which does not order the copy engine's writes)."""
     nt, pt, hb, c, g = program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB)
 
     # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone (a
@@ -92,7 +97,8 @@ def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nhea
             w = ct.where(seq == seq_last, w, 0.0)
         s = add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
-    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)), allow_tma=TMA)
+    return cs_last
 
 
 @ct.kernel
@@ -135,7 +141,7 @@ def heads_of(t, h0, HB):
 
 
 def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, b, seqlen, nheads, heads_per_group,
-                          n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max, L, BL, TP, TN, CHK, HB):
+                          n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max, L, BL, TP, TN, CHK, HB, TMA=None):
     """state_program without seq_idx, forming the chunk's dt and cumulative sums itself from dt (b, t, h) as
     chunk_cumsum does, over the same (L, TILE_H) tile (so the same bits), and storing them for the kernels after
     it from the programs of the first headdim and dstate tile."""
@@ -162,7 +168,8 @@ def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, 
         w = ct.sum(ct.where((subs == sb)[None, :, None], w_all, 0.0), axis=1)      # (HB, BL)
         s = add_sub_block(s, x, B, w, b, c * (L // BL) + sb, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
-    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)), allow_tma=TMA)
+    return cs_last
 
 
 @ct.kernel
@@ -186,3 +193,78 @@ def chunk_state_cumsum_cb_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Bi
         state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid - n_cb, b, seqlen, nheads,
                               heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max,
                               L, BL, TP, TN, CHK, HB)
+
+
+def _stored_state(states, b, c, hb, pt, nt, HB, TP, TN, CHK):
+    """Chunk c's local state tile as another program of this launch stored it: not through the copy engine, whose
+    reads the atomic in pass_if_last does not order (as those programs' stores); zero-padded where CHK."""
+    if CHK:
+        t = ct.load(states, (b, c, hb, pt, nt), shape=(1, 1, HB, TP, TN), padding_mode=_ZERO, allow_tma=False)
+    else:
+        t = ct.load(states, (b, c, hb, pt, nt), shape=(1, 1, HB, TP, TN), check_bounds=False, allow_tma=False)
+    return t.reshape((HB, TP, TN))
+
+
+def pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, pid, nheads,
+                 n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB):
+    """state_passing's recurrence for state program pid's tile, run by whichever of the tile's nchunks programs
+    (one per chunk) finishes last, so that the launch after this one finds the entering and final states written
+    and state_passing's launch is not needed (launch.FUSED_PASS, short sequences: the walk is as long as there
+    are chunks). Each program publishes its chunk's cs_last for the tile in chunk_ends (the cumulative sums may be
+    formed in this launch, by other programs) and counts itself in counter; the count is an acq_rel atomic, so the
+    program that takes the last count sees every other program's local state and cs_last. It sets the count back
+    to 0 for the next call. The recurrence is state_passing's, in float32, on the stored (rounded) local states:
+    the same values state_passing gives."""
+    nt, pt, hb, c, _ = program_tile(pid, nheads, 1, n_ntiles, n_ptiles, HB)
+    tile = (hb * n_ptiles + pt) * n_ntiles + nt
+    ct.store(chunk_ends, (b, tile, c), cs_last.reshape((1, 1, HB)), allow_tma=False)
+    done = ct.atomic_add(counter, (b, tile), 1)
+    if done == nchunks - 1:
+        ct.atomic_xchg(counter, (b, tile), 0, memory_order=ct.MemoryOrder.RELAXED)
+        s = ct.zeros((HB, TP, TN), dtype=ct.float32)
+        if has_init != 0:
+            s = ct.load(initial_states, (b, hb, pt, nt), shape=(1, HB, TP, TN),
+                        padding_mode=_ZERO).reshape((HB, TP, TN))
+        # Chunk k's loads are requested before the store of the state entering it, which does not wait for them.
+        # (Loading chunk k + 1's a step ahead, as state_passing does, held a second tile in registers: 256-332
+        # bytes of spills in the sm_90 builds at two heads and 128-wide tiles.)
+        for k in range(nchunks):
+            local = _stored_state(states, b, k, hb, pt, nt, HB, TP, TN, CHK)
+            end = ct.load(chunk_ends, (b, tile, k), shape=(1, 1, HB), allow_tma=False)
+            ct.store(entering, (b, k, hb, pt, nt), s.astype(entering.dtype).reshape((1, 1, HB, TP, TN)))
+            s = s * exp2(end.reshape((HB, 1, 1)) * LOG2E) + local.astype(ct.float32)
+        ct.store(final_states, (b, hb, pt, nt), s.reshape((1, HB, TP, TN)))
+
+
+@ct.kernel
+def chunk_state_pass_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big, states: Big, C: Big,
+                            cb: Big, entering: Big, final_states: Big, initial_states: Big, counter, chunk_ends,
+                            seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
+                            cb_per_group: int, dstate: int, cb_diag: int, has_bias: int, dt_softplus: int,
+                            dt_min: float, dt_max: float, nchunks: int, has_init: int,
+                            L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, CHK: ConstBool, HB: ConstInt,
+                            CB: ConstBool, CUMSUM: ConstBool):
+    """chunk_state's launch (without seq_idx) that also does state_passing's work (pass_if_last), so the launch
+    after it is the output kernel's (launch.FUSED_PASS). CB: chunk_cb's programs first in the grid, as
+    chunk_state_cb_kernel (else cb_per_group is 0 and C, cb unused); CUMSUM: the state programs form dt and the
+    cumulative sums themselves, as chunk_state_cumsum_cb_kernel (else dt, A, dt_bias unused)."""
+    dependent_launch_prologue()
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    n_cb = cb_per_group * (nheads // heads_per_group)
+    if pid < n_cb:
+        if CB:
+            cb_block(C, B, cb, pid % cb_per_group, pid // cb_per_group, b, dstate, cb_diag != 0, L, BL, TILE_N)
+    else:
+        sp = pid - n_cb
+        if CUMSUM:
+            cs_last = state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, sp, b, seqlen, nheads,
+                                            heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min,
+                                            dt_max, L, BL, TP, TN, CHK, HB, False)
+            pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
+                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB)
+        else:
+            cs_last = state_program(x, B, dt_out, dA_cumsum, dA_cumsum, states, sp, b, seqlen, nheads,
+                                    heads_per_group, n_ntiles, n_ptiles, L, BL, TP, TN, False, CHK, HB, False)
+            pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
+                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB)

@@ -38,7 +38,8 @@ from ..reference import state_update as ref_su
 from . import autotune, index_width
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel
+from .chunk_state import (chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel,
+                          chunk_state_pass_kernel)
 from .common import (SEGMENT_BL, SEGMENT_MAX_DSTATE, SEGMENT_MAX_WALK, SEGMENT_PROGRAMS_PER_SM, STATE_BLOCKS,
                      STATE_LOAD_LATENCY,
                      STATE_PROGRAMS_PER_SM, TILE_H, TILE_N, TILE_P, cdiv, segment_tiles, sub_block,
@@ -314,6 +315,7 @@ _KERNEL_OBJECTS = {
     "chunk_state": chunk_state_kernel,
     "chunk_state_cb": chunk_state_cb_kernel,
     "chunk_state_cumsum_cb": chunk_state_cumsum_cb_kernel,
+    "chunk_state_pass": chunk_state_pass_kernel,
     "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
@@ -564,7 +566,8 @@ def _stream_handle() -> int:
 # M2OPS_PDL=0 turns it off.
 PDL = envvars.switch("M2OPS_PDL", True)
 PDL_KERNELS = frozenset(("chunk_cumsum_kernel", "chunk_state_kernel", "chunk_state_cb_kernel",
-                         "chunk_state_cumsum_cb_kernel", "state_passing_kernel", "chunk_cb_kernel",
+                         "chunk_state_cumsum_cb_kernel", "chunk_state_pass_kernel", "state_passing_kernel",
+                         "chunk_cb_kernel",
                          "compute_out_kernel", "compute_out_carry_kernel", "segment_state_kernel", "segment_out_kernel",
                          "varlen_states_kernel"))
 _PDL_DEVICE: dict = {}
@@ -621,7 +624,8 @@ def _knobs() -> tuple:
             index_width.NARROW_INDEX, SEGMENTS_OVERRIDE, SEGMENT_COUNT_OVERRIDE, SEGMENT_MAX_WALK,
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
-            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM)
+            OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM,
+            FUSED_PASS, FUSED_PASS_MAX_CHUNKS)
 
 
 def _profiling_override() -> bool:
@@ -705,6 +709,8 @@ class _StatePlan(NamedTuple):
     state_passing: Step
     fused_cb: bool = False    # chunk_state's launch also runs chunk_cb's programs (FUSED_CB); it takes C and cb
     fused_cumsum: bool = False  # ... and does chunk_cumsum's work (FUSED_CUMSUM); it takes dt, A and dt_bias too
+    fused_pass: bool = False  # chunk_state's launch also does state_passing's work (FUSED_PASS), which is not launched
+    pass_shapes: tuple = ()   # (its counters' shape, int32; its chunk ends' shape, float32) under fused_pass
 
 
 # The planned forward launches chunk_cb's programs in front of chunk_state's, in one launch
@@ -718,6 +724,31 @@ FUSED_CB = False
 # An experiment, not yet measured; off.
 FUSED_CUMSUM = False
 FUSED_CUMSUM_CHUNKS = (256,)
+
+
+# state_passing's work in chunk_state's launch too (chunk_state.chunk_state_pass_kernel): the last program of each
+# state tile to finish walks the tile's chunks (pass_if_last), so the launch after chunk_state's is the output
+# kernel's. The walk is one program's per tile, as long as there are chunks, so only for short sequences (at most
+# FUSED_PASS_MAX_CHUNKS chunks: 1K tokens at chunk 256). With FUSED_CB and FUSED_CUMSUM the planned forward at
+# 1K tokens is two dependent launches. Built for bfloat16 at FUSED_PASS_CHUNKS, where the planned forward keeps
+# bfloat16 local and entering states. An experiment, not yet measured; off.
+FUSED_PASS = False
+FUSED_PASS_MAX_CHUNKS = 4
+FUSED_PASS_CHUNKS = (256,)
+
+
+def fused_pass_can_run(dtype: str, chunk_size: int, nchunks: int, local_bf16: bool, has_seq: bool) -> bool:
+    """Whether chunk_state_pass_kernel is built for, and FUSED_PASS_MAX_CHUNKS admits, this launch (bfloat16
+    activations and local states, separate bfloat16 entering states, no seq_idx)."""
+    return (dtype == "bfloat16" and chunk_size in FUSED_PASS_CHUNKS and nchunks <= FUSED_PASS_MAX_CHUNKS
+            and local_bf16 and not has_seq)
+
+
+def fused_pass_constants(chunk_size: int, check: bool, heads: int, tn: int, cb: bool, cumsum: bool) -> dict:
+    """chunk_state_pass_kernel's constants: chunk_state's without HAS_SEQ, and which fused work it also does."""
+    k = chunk_state_constants(chunk_size, False, check, heads, tn)
+    k.pop("HAS_SEQ")
+    return {**k, "CB": bool(cb), "CUMSUM": bool(cumsum)}
 
 
 def fused_cumsum_can_run(chunk_size: int, heads: int) -> bool:
@@ -742,10 +773,11 @@ def cb_programs(out) -> tuple:
 
 @_planned
 def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, separate, entering_dtype,
-                device, cb=None, dt_args=None) -> _StatePlan:
+                device, cb=None, dt_args=None, pass_ok=False) -> _StatePlan:
     """cb: cb_programs(out) to launch chunk_cb's programs with chunk_state's (where the row blocks agree), or
     None. dt_args (with cb): chunk_cumsum's (has_bias, dt_softplus, dt_min, dt_max), to do its work in the same
-    launch where that is built (fused_cumsum_can_run), or None."""
+    launch where that is built (fused_cumsum_can_run), or None. pass_ok: state_passing's work in that launch too
+    where it is built (fused_pass_can_run)."""
     nchunks = num_chunks(T, L)
     local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
                   and "bfloat16" in local_dtype_names(dname, L))
@@ -760,7 +792,18 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
     consts = (k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["HB"])
     fused = cb is not None and cb[2] == k["BL"] and not has_seq
     fused_cumsum = fused and dt_args is not None and fused_cumsum_can_run(L, k["HB"])
-    if fused_cumsum:
+    fused_pass = pass_ok and separate and fused_pass_can_run(dname, L, nchunks, local_bf16, has_seq)
+    n_tiles = (h // k["HB"]) * n_ptiles * n_state_tiles
+    if fused_pass:
+        per_group, diag, _ = cb if fused else (0, False, None)
+        has_bias, softplus, dt_min, dt_max = dt_args if fused_cumsum else (False, False, 0.0, 0.0)
+        kp = fused_pass_constants(L, k["CHK"], k["HB"], k["TN"], fused, fused_cumsum)
+        chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_pass", hints),
+                            (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), int(has_bias),
+                             int(softplus), float(dt_min), float(dt_max), nchunks, int(has_init),
+                             kp["L"], kp["BL"], kp["TP"], kp["TN"], kp["CHK"], kp["HB"], kp["CB"], kp["CUMSUM"]),
+                            device)
+    elif fused_cumsum:
         per_group, diag, _ = cb
         has_bias, softplus, dt_min, dt_max = dt_args
         chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_cumsum_cb", hints),
@@ -783,7 +826,8 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                            ks["CHK"]),
                           device)
     return _StatePlan(states_shape(b, nchunks, h, p, n), torch.bfloat16 if local_bf16 else torch.float32,
-                      separate, chunk_state, state_passing, fused, fused_cumsum)
+                      separate, chunk_state, state_passing, fused, fused_cumsum, fused_pass,
+                      ((b, n_tiles), (b, n_tiles, nchunks * k["HB"])) if fused_pass else ())
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
@@ -826,13 +870,15 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
 
 
 def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, scratch=None, go=Step.launch,
-                cb_arrays=None, dt_arrays=None):
+                cb_arrays=None, dt_arrays=None, pass_scratch=None):
     """fwd_pass_state's buffers allocated and its two kernels launched by go, on arguments already in the kernels'
     form (init: float32 initial states or None). scratch: the (local, entering) state buffers, given (entering
     None unless plan.separate). Returns the states entering every chunk (in their own entering_dtype array when
     plan.separate, else in place of the local states) and the final states. cb_arrays: (C, cb), for a plan whose
     chunk_state launch also forms C . B^T (plan.fused_cb); dt_arrays: (dt, A, dt_bias or A) as chunk_cumsum takes
-    them, for a plan whose chunk_state launch also writes dtk and csk (plan.fused_cumsum)."""
+    them, for a plan whose chunk_state launch also writes dtk and csk (plan.fused_cumsum). pass_scratch: the
+    (counters, chunk ends) of a plan whose chunk_state launch also does state_passing's work (plan.fused_pass), the
+    counters zero (the kernel leaves them so); allocated where not given."""
     b, nchunks, h, p, n = plan.states_shape
     pn, dev = p * n, xk.device
     if scratch is None:
@@ -840,6 +886,16 @@ def _run_states(plan: _StatePlan, entering_dtype, xk, Bk, dtk, csk, seq, init, s
                    torch.empty(plan.states_shape, dtype=entering_dtype, device=dev) if plan.separate else None)
     states, entering = scratch
     final_states = torch.empty(final_states_shape(b, h, p, n), dtype=torch.float32, device=dev)
+    if plan.fused_pass:
+        if pass_scratch is None:
+            pass_scratch = (torch.zeros(plan.pass_shapes[0], dtype=torch.int32, device=dev),
+                            torch.empty(plan.pass_shapes[1], dtype=torch.float32, device=dev))
+        f32_1 = _dummy(xk, torch.float32, 1)
+        dts = dt_arrays if plan.fused_cumsum else (_dummy(xk, torch.float32, 3), f32_1, f32_1)
+        cbs = cb_arrays if plan.fused_cb else (xk, _dummy(xk, getattr(torch, cb_dtype_name(_dtype_name(xk.dtype))), 5))
+        go(plan.chunk_state, (xk, Bk, *dts, dtk, csk, states, *cbs, entering, final_states,
+                              init if init is not None else _dummy(xk, torch.float32, 4), *pass_scratch))
+        return entering, final_states
     if plan.fused_cumsum:
         go(plan.chunk_state, (xk, Bk, *dt_arrays, dtk, csk, states, *cb_arrays))
     elif plan.fused_cb:
@@ -1308,10 +1364,12 @@ _KEPT_LOCK = threading.Lock()
 
 
 def _planned_scratch(fp, device) -> tuple:
-    """fp's scratch views: the kept ones for this stream and thread where allowed (above), else fresh."""
+    """fp's scratch views: the kept ones for this stream and thread where allowed (above), else fresh (FUSED_PASS's
+    counters zeroed: its kernel leaves them zero, so kept ones stay so; under CUDA-graph capture the zeroing is
+    captured too)."""
     if (device.type != "cuda" or fp.scratch_bytes > SCRATCH_KEEP_BYTES
             or torch._C._cuda_isCurrentStreamCapturing()):
-        return _scratch_views(fp.scratch, fp.scratch_bytes, device)
+        return _fresh_scratch(fp, device)
     key = (id(fp.scratch), _stream_handle(), threading.get_ident())
     with _KEPT_LOCK:
         got = _KEPT_SCRATCH.get(key)
@@ -1319,13 +1377,25 @@ def _planned_scratch(fp, device) -> tuple:
         if got is not None and got[0] is fp.scratch:
             _KEPT_SCRATCH.move_to_end(key)
             return got[1]
-    views = _scratch_views(fp.scratch, fp.scratch_bytes, device)
+    views = _fresh_scratch(fp, device)
     with _KEPT_LOCK:
         _KEPT_SCRATCH[key] = (fp.scratch, views, fp.scratch_bytes)
         total = sum(v[2] for v in _KEPT_SCRATCH.values())
         while total > SCRATCH_KEEP_BYTES:
             _, (_, _, nbytes) = _KEPT_SCRATCH.popitem(last=False)
             total -= nbytes
+    return views
+
+
+# Position of FUSED_PASS's counters among a ForwardPlan's scratch views (ForwardPlan.scratch).
+_COUNTERS = 5
+
+
+def _fresh_scratch(fp, device) -> tuple:
+    """fp's scratch views on a new allocation, with FUSED_PASS's counters (where the plan has them) zeroed."""
+    views = _scratch_views(fp.scratch, fp.scratch_bytes, device)
+    if len(views) > _COUNTERS and views[_COUNTERS] is not None:
+        views[_COUNTERS].zero_()
     return views
 
 
@@ -1344,7 +1414,8 @@ class ForwardPlan(NamedTuple):
     states: object        # _StatePlan
     entering_dtype: object  # the separate entering states' dtype, or None
     out: object           # _OutPlan (None: no plan for this signature, take the launchers)
-    scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb
+    scratch: tuple = ()   # _scratch_layout of dt_out, dA_cumsum, local states, entering states (or None), cb,
+    #                       and FUSED_PASS's counters and chunk ends (or None)
     scratch_bytes: int = 0
     go: object = None     # _Resolved
 
@@ -1381,8 +1452,9 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
         return none._replace(tune_key=tune_key, config=config, from_default=from_default)
     dname = _dtype_name(x.dtype)
     entering = _scan_entering_dtype(x.dtype)
+    pass_ok = FUSED_PASS
     states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None, config.get("state_block"),
-                         entering is not None, entering, dev)
+                         entering is not None, entering, dev, None, None, pass_ok)
     _, has_d = _d_arg(D, x)
     out = _out_plan(b, T, h, p, g, n, sub, dname, False, entering if entering is not None else states.local_dtype,
                     has_d, z is not None, dev)
@@ -1393,16 +1465,19 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if FUSED_CB or dt_args is not None:
         states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
                              config.get("state_block"), entering is not None, entering, dev, cb_programs(out),
-                             dt_args)
+                             dt_args, pass_ok)
         if dt_args is not None and not states.fused_cumsum and not FUSED_CB:
             states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
-                                 config.get("state_block"), entering is not None, entering, dev)
+                                 config.get("state_block"), entering is not None, entering, dev, None, None, pass_ok)
     cumsum = _cumsum_plan(b, T, h, sub, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
     cs_shape = cumsum_shape(b, T, h, sub)
+    passing = states.pass_shapes
     layout, nbytes = _scratch_layout(((torch.float32, cs_shape), (torch.float32, cs_shape),
                                       (states.local_dtype, states.states_shape),
                                       (entering, states.states_shape) if states.separate else None,
-                                      (out.cb_dtype, out.cb_shape)))
+                                      (out.cb_dtype, out.cb_shape),
+                                      (torch.int32, passing[0]) if passing else None,
+                                      (torch.float32, passing[1]) if passing else None))
     return ForwardPlan(tune_key, config, from_default, cumsum, cs_shape, states, entering, out, layout, nbytes,
                        _Resolved())
 
@@ -1464,14 +1539,14 @@ def run_forward(fp: ForwardPlan, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """y and the final states of chunk_cumsum and chunk_scan's two-op path, by fp (whose out is not None): the
     same launches, buffers and bits as the launchers give (with a configuration at another chunk size, those of the
     launchers called at that chunk size: forward_plan)."""
-    dt_out, dA_cumsum, local, entering, cb = _planned_scratch(fp, x.device)
+    dt_out, dA_cumsum, local, entering, cb, counters, chunk_ends = _planned_scratch(fp, x.device)
     go = fp.go
     bias = dt_bias if dt_bias is not None else A
     if not fp.states.fused_cumsum:
         _run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias, (dt_out, dA_cumsum), go)
     seq = _dummy(x, torch.int32, 2)
     states, final_states = _run_states(fp.states, fp.entering_dtype, x, B, dt_out, dA_cumsum, seq, initial_states,
-                                       (local, entering), go, (C, cb), (dt, A, bias))
+                                       (local, entering), go, (C, cb), (dt, A, bias), (counters, chunk_ends))
     y = _run_out(fp.out, x, dt_out, dA_cumsum, C, B, states, _d_arg(D, x)[0], z if z is not None else x, seq, cb,
                  go, fp.states.fused_cb)
     return y, final_states

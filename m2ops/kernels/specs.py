@@ -31,7 +31,8 @@ from . import index_width, launch, launch_bwd
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_cb import chunk_cb_kernel
 from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel
+from .chunk_state import (chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel,
+                          chunk_state_pass_kernel)
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .compute_out import compute_out_kernel
 from .compute_out_carry import compute_out_carry_kernel
@@ -115,6 +116,7 @@ _KERNELS = {
     "chunk_state": chunk_state_kernel,
     "chunk_state_cb": chunk_state_cb_kernel,
     "chunk_state_cumsum_cb": chunk_state_cumsum_cb_kernel,
+    "chunk_state_pass": chunk_state_pass_kernel,
     "state_passing": state_passing_kernel,
     "varlen_states": varlen_states_kernel,
     "chunk_cb": chunk_cb_kernel,
@@ -161,6 +163,10 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "chunk_state_cumsum_cb":
         return (_a(dt, 4), _a(dt, 4), _a(dt_dtype, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _a(local_dtype, 5), _a(dt, 4), _a(cb_dtype, 5), *(_INT,) * 10, _FLOAT, _FLOAT)
+    if kernel_name == "chunk_state_pass":
+        return (_a(dt, 4), _a(dt, 4), _a(dt_dtype, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
+                _a(local_dtype, 5), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 4), _a(F32, 4),
+                _a(I32, 2), _a(F32, 3), *(_INT,) * 10, _FLOAT, _FLOAT, _INT, _INT)
     if kernel_name == "state_passing":
         return (_a(local_dtype, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
                 _INT, _INT, _INT, _INT, _INT)
@@ -221,6 +227,23 @@ def _hints(kernel_name: str, dt: str, L: int) -> tuple:
     return tuple(sorted(launch.kernel_hints(kernel_name, dt, L).items()))
 
 
+def _pass_specs(dt: str, L: int, check: bool, hb: int, tn: int, ld: str, cbd: str) -> list[Spec]:
+    """chunk_state_pass_kernel's specialisations at these chunk_state constants (launch.FUSED_PASS), entering states
+    in bfloat16."""
+    out = []
+    for cb, cumsum in ((False, False), (True, False), (True, True)):
+        if cumsum and not launch.fused_cumsum_can_run(L, hb):
+            continue
+        for dtd in sorted({F32, dt}) if cumsum else (F32,):
+            out.append(Spec("chunk_state_pass", dt, launch.fused_pass_constants(L, check, hb, tn, cb, cumsum),
+                            _params("chunk_state_pass", dt, dt_dtype=dtd, local_dtype=ld, cb_dtype=cbd,
+                                    state_dtype="bfloat16"),
+                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                            dtypes=tuple((r, d) for r, d in (("dt", dtd), ("local", ld), ("cb", cbd),
+                                                             ("entering", "bfloat16")) if d != F32)))
+    return out
+
+
 def all_specs() -> list[Spec]:
     """The complete list, in a stable order."""
     out = []
@@ -260,6 +283,9 @@ def all_specs() -> list[Spec]:
                                                             dtypes=tuple((r, d) for r, d in
                                                                          (("dt", dtd), ("local", ld), ("cb", cbd))
                                                                          if d != F32)))
+                                    if launch.fused_pass_can_run(dt, L, 1, ld == "bfloat16", False):
+                                        # ... and state_passing's work: alone, with chunk_cb's, with chunk_cumsum's too
+                                        out += _pass_specs(dt, L, check, hb, tn, ld, cbd)
             out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
                             _params("varlen_states", dt)))
             # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.

@@ -280,23 +280,27 @@ def test_torch_compile_reduce_overhead_matches_eager():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mode", ["FUSED_CB", "FUSED_CUMSUM"])
+@pytest.mark.parametrize("mode", ["FUSED_CB", "FUSED_CUMSUM", "FUSED_PASS", "FUSED_CB+FUSED_PASS",
+                                  "FUSED_CUMSUM+FUSED_PASS"])
 @pytest.mark.parametrize("seqlen,dstate,walk", [(4096, 64, False), (1024, 256, True), (300, 32, False),
-                                                (1000, 128, True)])
+                                                (1000, 128, True), (1024, 512, True)])
 def test_fused_launches_give_the_same_results(monkeypatch, mode, seqlen, dstate, walk):
-    """launch.FUSED_CB (chunk_cb's programs in chunk_state's launch) and FUSED_CUMSUM (chunk_cumsum's work there
-    too), planned forward, against the default launches, eager and replayed from a CUDA graph, ten calls each. A
-    missing dependency between the fused launch and the kernels after it, or the next call's launch overwriting the
-    scratch early, shows as calls that differ from each other or from the default (tests/test_kernels_emulated.py
-    checks the arithmetic, not the ordering). FUSED_CB must give the default's bits; FUSED_CUMSUM forms the same
-    cumulative sums in another kernel, so its bits may differ in the last place."""
+    """launch.FUSED_CB (chunk_cb's programs in chunk_state's launch), FUSED_CUMSUM (chunk_cumsum's work there
+    too) and FUSED_PASS (state_passing's work there, up to four chunks: its programs hand over through an atomic
+    count), planned forward, against the default launches, eager and replayed from a CUDA graph, ten calls each. A
+    missing dependency between the fused launch and the kernels after it, the next call's launch overwriting the
+    scratch early, or a state tile walked before its last chunk's state is visible, shows as calls that differ from
+    each other or from the default (tests/test_kernels_emulated.py checks the arithmetic, not the ordering).
+    FUSED_CB and FUSED_PASS must give the default's bits; FUSED_CUMSUM forms the same cumulative sums in another
+    kernel, so its bits may differ in the last place."""
     from m2ops.kernels import launch
     monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", False if walk else None)
     case = make_case(seqlen=seqlen, nheads=8, headdim=64, ngroups=2, dstate=dstate, dtype=torch.bfloat16,
                      D="h", z=True, initial_states=True, chunk_size=256, seed=seqlen, dt_dtype=torch.float32)
     with torch.no_grad():
         want = public_call(case)
-        monkeypatch.setattr(launch, mode, True)
+        for switch in mode.split("+"):
+            monkeypatch.setattr(launch, switch, True)
         got = [public_call(case) for _ in range(10)]
         g, static_out = captured(lambda: public_call(case))
         replays = []
@@ -304,12 +308,14 @@ def test_fused_launches_give_the_same_results(monkeypatch, mode, seqlen, dstate,
             g.replay()
             replays.append(tuple(t.clone() for t in static_out))
     torch.cuda.synchronize()
-    flag = "fused_cb" if mode == "FUSED_CB" else "fused_cumsum"
-    assert any(fp.out is not None and getattr(fp.states, flag) for fp in launch._FORWARD_PLANS.values())
+    flags = [switch.lower() for switch in mode.split("+")
+             if switch != "FUSED_PASS" or seqlen <= launch.FUSED_PASS_MAX_CHUNKS * 256]
+    assert any(fp.out is not None and all(getattr(fp.states, f) for f in flags)
+               for fp in launch._FORWARD_PLANS.values())
     for out in got + replays:
         for a, b, c in zip(out, want, got[0]):
             assert torch.equal(a, c)
-            if mode == "FUSED_CB":
-                assert torch.equal(a, b)
-            else:
+            if "FUSED_CUMSUM" in mode:
                 assert rel_err(a, b) <= 1e-5
+            else:
+                assert torch.equal(a, b)

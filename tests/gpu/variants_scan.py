@@ -141,6 +141,10 @@ VARIANTS["fused cb walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "walk")
 # ... and chunk_cumsum's work in that launch too (launch.FUSED_CUMSUM, chunk 256)
 VARIANTS["fused cumsum"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum")
 VARIANTS["fused cumsum walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "walk")
+# state_passing's work in chunk_state's launch (launch.FUSED_PASS, up to four chunks), alone and with each of the two
+VARIANTS["fused pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedpass")
+VARIANTS["fused cb pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "fusedpass")
+VARIANTS["fused cumsum pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "fusedpass")
 
 
 @contextlib.contextmanager
@@ -148,11 +152,12 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
-                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM)
+                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS)
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
     launch.FUSED_CUMSUM = "fusedcumsum" in flags
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-3])
+    launch.FUSED_PASS = "fusedpass" in flags
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-4])
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
@@ -172,7 +177,8 @@ def variant(name):
         launch.HINT_OVERRIDE.clear()
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
-         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM) = defaults
+         launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM,
+         launch.FUSED_PASS) = defaults
 
 
 def main():
