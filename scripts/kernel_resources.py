@@ -1,9 +1,10 @@
 """Registers, stack frame and spills of kernel specialisations, built for sm_90 here, without a GPU.
 
-    .venv/bin/python scripts/kernel_resources.py chunk_state,chunk_cb [--match bfloat16,L=256] [--ptx-hash]
+    .venv/bin/python scripts/kernel_resources.py chunk_state,chunk_cb [--match bfloat16,L=256] [--ptx-hash] [--narrow]
 
 Each specialisation of m2ops.kernels.specs.all_specs() whose kernel is named (and whose name contains every
---match string) is exported to an sm_90 cubin. The cubin carries the PTX tileiras generated (its section
+--match string; with --narrow its 32-bit-indexed twin, which the launchers take where the arrays fit) is exported
+to an sm_90 cubin. The cubin carries the PTX tileiras generated (its section
 .nv_debug_ptx_txt); with the line-number directives and the source section dropped, the CUDA wheel's own ptxas
 compiles it again with -v, which prints what the kernel uses. --ptx-hash adds a hash of that PTX, so that two
 trees can be compared: the same hash is the same code. Why: tileiras does not report resources, and the GPU
@@ -88,11 +89,13 @@ def main():
     ap.add_argument("kernels", help="comma-separated kernel names of specs.py (chunk_state, compute_out_carry, ...)")
     ap.add_argument("--match", default="", help="comma-separated strings each name must contain")
     ap.add_argument("--ptx-hash", action="store_true")
+    ap.add_argument("--narrow", action="store_true",
+                    help="the 32-bit-indexed twins instead (what the launchers take where the arrays fit)")
     args = ap.parse_args()
     names = set(args.kernels.split(","))
     match = [m for m in args.match.split(",") if m]
     for spec in all_specs():
-        if spec.narrow or spec.kernel_name not in names or not all(m in spec.name for m in match):
+        if spec.narrow != args.narrow or spec.kernel_name not in names or not all(m in spec.name for m in match):
             continue
         try:
             summary, digest = resources(spec)

@@ -995,18 +995,22 @@ _FOUR_CHUNKS = dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=1000, 
 
 
 @given(kw=cases(), seqlen=st.integers(1, 1024), carry=st.booleans(), hb=st.sampled_from([1, 2]),
-       mode=st.sampled_from([(), ("FUSED_CB",), ("FUSED_CUMSUM",)]), seed=st.integers(0, 2 ** 16))
-@example(kw=_FOUR_CHUNKS, seqlen=1000, carry=False, hb=2, mode=("FUSED_CUMSUM",), seed=1)
-@example(kw=_FOUR_CHUNKS, seqlen=1024, carry=True, hb=1, mode=(), seed=2)
+       mode=st.sampled_from([(), ("FUSED_CB",), ("FUSED_CUMSUM",)]), by_head=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+@example(kw=_FOUR_CHUNKS, seqlen=1000, carry=False, hb=2, mode=("FUSED_CUMSUM",), by_head=False, seed=1)
+@example(kw=_FOUR_CHUNKS, seqlen=777, carry=False, hb=2, mode=("FUSED_CB",), by_head=True, seed=3)
+@example(kw=_FOUR_CHUNKS, seqlen=1024, carry=True, hb=1, mode=(), by_head=False, seed=2)
 @settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_fused_pass(kw, seqlen, carry, hb, mode, seed):
+def test_planned_forward_with_fused_pass(kw, seqlen, carry, hb, mode, by_head, seed):
     """FUSED_PASS (bfloat16, chunk 256, up to four chunks): the planned forward's chunk_state launch also does
-    state_passing's work (chunk_state_pass_kernel: the last of each state tile's programs walks its chunks), alone
-    or with FUSED_CB / FUSED_CUMSUM's work, and state_passing is not launched; the launchers' bits. The programs
-    run in a shuffled order, so the walk is done by programs of any chunk, and the counters are left at zero."""
+    state_passing's work (chunk_state_pass_kernel: the last of each state tile's programs walks its chunks, the
+    whole tile or, FUSED_PASS_BY_HEAD, a head at a time), alone or with FUSED_CB / FUSED_CUMSUM's work, and
+    state_passing is not launched; the launchers' bits. The programs run in a shuffled order, so the walk is done
+    by programs of any chunk, and the counters are left at zero."""
     kw.update(seqlen=seqlen, dtype=torch.bfloat16, chunk_size=256)
     launched = []
-    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, ("FUSED_PASS", *mode), seed, launched)
+    switches = ("FUSED_PASS", *mode) + (("FUSED_PASS_BY_HEAD",) if by_head else ())
+    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, switches, seed, launched)
     assert names.count("chunk_state_pass_kernel") == 2, names
     gone = {"state_passing_kernel", "chunk_state_kernel", "chunk_state_cb_kernel", "chunk_state_cumsum_cb_kernel"}
     gone |= {"FUSED_CB": {"chunk_cb_kernel"}, "FUSED_CUMSUM": {"chunk_cb_kernel", "chunk_cumsum_kernel"}}.get(
@@ -1016,7 +1020,8 @@ def test_planned_forward_with_fused_pass(kw, seqlen, carry, hb, mode, seed):
         if name == "chunk_state_pass_kernel":
             counters = args[13]
             assert counters.dtype == torch.int32 and not counters.any()
-            assert args[-2:] == (bool(mode), mode == ("FUSED_CUMSUM",))  # CB, CUMSUM
+            cb, cumsum, hw = args[-3:]
+            assert (cb, cumsum, hw) == (bool(mode), mode == ("FUSED_CUMSUM",), 1 if by_head else args[-4])
     for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
 

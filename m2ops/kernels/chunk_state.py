@@ -195,18 +195,19 @@ def chunk_state_cumsum_cb_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Bi
                               L, BL, TP, TN, CHK, HB)
 
 
-def _stored_state(states, b, c, hb, pt, nt, HB, TP, TN, CHK):
-    """Chunk c's local state tile as another program of this launch stored it: not through the copy engine, whose
-    reads the atomic in pass_if_last does not order (as those programs' stores); zero-padded where CHK."""
+def _stored_state(states, b, c, hidx, pt, nt, HW, TP, TN, CHK):
+    """Chunk c's local states of heads hidx * HW .. + HW, as other programs of this launch stored them: not through
+    the copy engine, whose reads the atomic in pass_if_last does not order (as those programs' stores);
+    zero-padded where CHK."""
     if CHK:
-        t = ct.load(states, (b, c, hb, pt, nt), shape=(1, 1, HB, TP, TN), padding_mode=_ZERO, allow_tma=False)
+        t = ct.load(states, (b, c, hidx, pt, nt), shape=(1, 1, HW, TP, TN), padding_mode=_ZERO, allow_tma=False)
     else:
-        t = ct.load(states, (b, c, hb, pt, nt), shape=(1, 1, HB, TP, TN), check_bounds=False, allow_tma=False)
-    return t.reshape((HB, TP, TN))
+        t = ct.load(states, (b, c, hidx, pt, nt), shape=(1, 1, HW, TP, TN), check_bounds=False, allow_tma=False)
+    return t.reshape((HW, TP, TN))
 
 
 def pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, pid, nheads,
-                 n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB):
+                 n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW):
     """state_passing's recurrence for state program pid's tile, run by whichever of the tile's nchunks programs
     (one per chunk) finishes last, so that the launch after this one finds the entering and final states written
     and state_passing's launch is not needed (launch.FUSED_PASS, short sequences: the walk is as long as there
@@ -214,26 +215,29 @@ def pass_if_last(states, entering, final_states, initial_states, counter, chunk_
     formed in this launch, by other programs) and counts itself in counter; the count is an acq_rel atomic, so the
     program that takes the last count sees every other program's local state and cs_last. It sets the count back
     to 0 for the next call. The recurrence is state_passing's, in float32, on the stored (rounded) local states:
-    the same values state_passing gives."""
+    the same values state_passing gives. HW: heads walked at once, HB (one walk of the whole tile) or 1 (a walk per
+    head: half the registers at two heads, twice the steps; launch.FUSED_PASS_BY_HEAD)."""
     nt, pt, hb, c, _ = program_tile(pid, nheads, 1, n_ntiles, n_ptiles, HB)
     tile = (hb * n_ptiles + pt) * n_ntiles + nt
     ct.store(chunk_ends, (b, tile, c), cs_last.reshape((1, 1, HB)), allow_tma=False)
     done = ct.atomic_add(counter, (b, tile), 1)
     if done == nchunks - 1:
         ct.atomic_xchg(counter, (b, tile), 0, memory_order=ct.MemoryOrder.RELAXED)
-        s = ct.zeros((HB, TP, TN), dtype=ct.float32)
-        if has_init != 0:
-            s = ct.load(initial_states, (b, hb, pt, nt), shape=(1, HB, TP, TN),
-                        padding_mode=_ZERO).reshape((HB, TP, TN))
-        # Chunk k's loads are requested before the store of the state entering it, which does not wait for them.
-        # (Loading chunk k + 1's a step ahead, as state_passing does, held a second tile in registers: 256-332
-        # bytes of spills in the sm_90 builds at two heads and 128-wide tiles.)
-        for k in range(nchunks):
-            local = _stored_state(states, b, k, hb, pt, nt, HB, TP, TN, CHK)
-            end = ct.load(chunk_ends, (b, tile, k), shape=(1, 1, HB), allow_tma=False)
-            ct.store(entering, (b, k, hb, pt, nt), s.astype(entering.dtype).reshape((1, 1, HB, TP, TN)))
-            s = s * exp2(end.reshape((HB, 1, 1)) * LOG2E) + local.astype(ct.float32)
-        ct.store(final_states, (b, hb, pt, nt), s.reshape((1, HB, TP, TN)))
+        for j in range(HB // HW):
+            hidx = hb * (HB // HW) + j       # in units of HW heads
+            s = ct.zeros((HW, TP, TN), dtype=ct.float32)
+            if has_init != 0:
+                s = ct.load(initial_states, (b, hidx, pt, nt), shape=(1, HW, TP, TN),
+                            padding_mode=_ZERO).reshape((HW, TP, TN))
+            # Chunk k's loads are requested before the store of the state entering it, which does not wait for
+            # them. (Loading chunk k + 1's a step ahead, as state_passing does, held a second tile in registers:
+            # 256-332 bytes of spills in the sm_90 builds at two heads and 128-wide tiles.)
+            for k in range(nchunks):
+                local = _stored_state(states, b, k, hidx, pt, nt, HW, TP, TN, CHK)
+                end = ct.load(chunk_ends, (b, tile, k * (HB // HW) + j), shape=(1, 1, HW), allow_tma=False)
+                ct.store(entering, (b, k, hidx, pt, nt), s.astype(entering.dtype).reshape((1, 1, HW, TP, TN)))
+                s = s * exp2(end.reshape((HW, 1, 1)) * LOG2E) + local.astype(ct.float32)
+            ct.store(final_states, (b, hidx, pt, nt), s.reshape((1, HW, TP, TN)))
 
 
 @ct.kernel
@@ -243,11 +247,11 @@ def chunk_state_pass_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Big, dA
                             cb_per_group: int, dstate: int, cb_diag: int, has_bias: int, dt_softplus: int,
                             dt_min: float, dt_max: float, nchunks: int, has_init: int,
                             L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, CHK: ConstBool, HB: ConstInt,
-                            CB: ConstBool, CUMSUM: ConstBool):
-    """chunk_state's launch (without seq_idx) that also does state_passing's work (pass_if_last), so the launch
-    after it is the output kernel's (launch.FUSED_PASS). CB: chunk_cb's programs first in the grid, as
-    chunk_state_cb_kernel (else cb_per_group is 0 and C, cb unused); CUMSUM: the state programs form dt and the
-    cumulative sums themselves, as chunk_state_cumsum_cb_kernel (else dt, A, dt_bias unused)."""
+                            CB: ConstBool, CUMSUM: ConstBool, HW: ConstInt):
+    """chunk_state's launch (without seq_idx) that also does state_passing's work (pass_if_last, HW heads walked at
+    once), so the launch after it is the output kernel's (launch.FUSED_PASS). CB: chunk_cb's programs first in the
+    grid, as chunk_state_cb_kernel (else cb_per_group is 0 and C, cb unused); CUMSUM: the state programs form dt and
+    the cumulative sums themselves, as chunk_state_cumsum_cb_kernel (else dt, A, dt_bias unused)."""
     dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -262,9 +266,9 @@ def chunk_state_pass_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Big, dA
                                             heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min,
                                             dt_max, L, BL, TP, TN, CHK, HB, False)
             pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
-                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB)
+                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW)
         else:
             cs_last = state_program(x, B, dt_out, dA_cumsum, dA_cumsum, states, sp, b, seqlen, nheads,
                                     heads_per_group, n_ntiles, n_ptiles, L, BL, TP, TN, False, CHK, HB, False)
             pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
-                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB)
+                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW)

@@ -625,7 +625,7 @@ def _knobs() -> tuple:
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
             OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM,
-            FUSED_PASS, FUSED_PASS_MAX_CHUNKS)
+            FUSED_PASS, FUSED_PASS_MAX_CHUNKS, FUSED_PASS_BY_HEAD)
 
 
 def _profiling_override() -> bool:
@@ -735,6 +735,10 @@ FUSED_CUMSUM_CHUNKS = (256,)
 FUSED_PASS = False
 FUSED_PASS_MAX_CHUNKS = 4
 FUSED_PASS_CHUNKS = (256,)
+# At two heads a program, the walk takes one head at a time (half the registers, twice the steps) instead of the
+# whole tile: in the sm_90 builds the whole-tile walk spills (40 B at 64-wide tiles, 220 B at 128-wide in the
+# 32-bit-indexed builds), the walk by head does not. Which is faster is not measured.
+FUSED_PASS_BY_HEAD = False
 
 
 def fused_pass_can_run(dtype: str, chunk_size: int, nchunks: int, local_bf16: bool, has_seq: bool) -> bool:
@@ -744,11 +748,13 @@ def fused_pass_can_run(dtype: str, chunk_size: int, nchunks: int, local_bf16: bo
             and local_bf16 and not has_seq)
 
 
-def fused_pass_constants(chunk_size: int, check: bool, heads: int, tn: int, cb: bool, cumsum: bool) -> dict:
-    """chunk_state_pass_kernel's constants: chunk_state's without HAS_SEQ, and which fused work it also does."""
+def fused_pass_constants(chunk_size: int, check: bool, heads: int, tn: int, cb: bool, cumsum: bool,
+                         by_head: bool = False) -> dict:
+    """chunk_state_pass_kernel's constants: chunk_state's without HAS_SEQ, which fused work it also does, and the
+    heads its walk takes at once (HW: 1 by head, else all of the program's)."""
     k = chunk_state_constants(chunk_size, False, check, heads, tn)
     k.pop("HAS_SEQ")
-    return {**k, "CB": bool(cb), "CUMSUM": bool(cumsum)}
+    return {**k, "CB": bool(cb), "CUMSUM": bool(cumsum), "HW": 1 if by_head else k["HB"]}
 
 
 def fused_cumsum_can_run(chunk_size: int, heads: int) -> bool:
@@ -797,11 +803,12 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
     if fused_pass:
         per_group, diag, _ = cb if fused else (0, False, None)
         has_bias, softplus, dt_min, dt_max = dt_args if fused_cumsum else (False, False, 0.0, 0.0)
-        kp = fused_pass_constants(L, k["CHK"], k["HB"], k["TN"], fused, fused_cumsum)
+        kp = fused_pass_constants(L, k["CHK"], k["HB"], k["TN"], fused, fused_cumsum, FUSED_PASS_BY_HEAD)
         chunk_state = _step((per_group * g + n_programs, b, 1), _hinted("chunk_state_pass", hints),
                             (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), int(has_bias),
                              int(softplus), float(dt_min), float(dt_max), nchunks, int(has_init),
-                             kp["L"], kp["BL"], kp["TP"], kp["TN"], kp["CHK"], kp["HB"], kp["CB"], kp["CUMSUM"]),
+                             kp["L"], kp["BL"], kp["TP"], kp["TN"], kp["CHK"], kp["HB"], kp["CB"], kp["CUMSUM"],
+                             kp["HW"]),
                             device)
     elif fused_cumsum:
         per_group, diag, _ = cb

@@ -234,8 +234,9 @@ def _pass_specs(dt: str, L: int, check: bool, hb: int, tn: int, ld: str, cbd: st
     for cb, cumsum in ((False, False), (True, False), (True, True)):
         if cumsum and not launch.fused_cumsum_can_run(L, hb):
             continue
-        for dtd in sorted({F32, dt}) if cumsum else (F32,):
-            out.append(Spec("chunk_state_pass", dt, launch.fused_pass_constants(L, check, hb, tn, cb, cumsum),
+        for dtd, by_head in itertools.product(sorted({F32, dt}) if cumsum else (F32,),
+                                              (False, True) if hb > 1 else (False,)):
+            out.append(Spec("chunk_state_pass", dt, launch.fused_pass_constants(L, check, hb, tn, cb, cumsum, by_head),
                             _params("chunk_state_pass", dt, dt_dtype=dtd, local_dtype=ld, cb_dtype=cbd,
                                     state_dtype="bfloat16"),
                             tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),

@@ -145,6 +145,8 @@ VARIANTS["fused cumsum walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "
 VARIANTS["fused pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedpass")
 VARIANTS["fused cb pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "fusedpass")
 VARIANTS["fused cumsum pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "fusedpass")
+# ... its walk a head at a time (launch.FUSED_PASS_BY_HEAD: no spills at two heads, twice the steps)
+VARIANTS["fused cumsum pass by head"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "fusedpass", "byhead")
 
 
 @contextlib.contextmanager
@@ -152,12 +154,13 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
-                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS)
+                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD)
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
     launch.FUSED_CUMSUM = "fusedcumsum" in flags
     launch.FUSED_PASS = "fusedpass" in flags
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-4])
+    launch.FUSED_PASS_BY_HEAD = "byhead" in flags
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-5])
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
@@ -178,7 +181,7 @@ def variant(name):
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
          launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM,
-         launch.FUSED_PASS) = defaults
+         launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD) = defaults
 
 
 def main():
