@@ -947,6 +947,9 @@ def _fused_planned_calls(kw, carry, hb, switches, shuffle_seed=None, launched=No
         mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
         mp.setattr(launch, "CHUNK_STATE_HEADS", {("bfloat16", 256): (hb, None if hb == 1 else 2)})
         mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
+        # each switch alone, at any length (FUSED_CUMSUM is on by default, for short sequences)
+        mp.setattr(launch, "FUSED_CUMSUM", False)
+        mp.setattr(launch, "FUSED_CUMSUM_MAX_CHUNKS", 1 << 30)
         case = make_case(**kw)
         a = _forward_args(case)
         with emulated_launches(shuffle_seed) as launches:
@@ -1045,23 +1048,33 @@ def test_fused_pass_only_for_short_sequences(monkeypatch):
     launch.clear_plans()
 
 
-def test_fused_cumsum_falls_back_where_not_built(monkeypatch):
-    """FUSED_CUMSUM at a chunk size it is not built for (or with dt in a third dtype) leaves chunk_cumsum its
-    launch: with FUSED_CB the cb fusion alone, without it the default launches."""
+def test_fused_cumsum_by_default_for_short_sequences_where_built(monkeypatch):
+    """By default (FUSED_CUMSUM, up to FUSED_CUMSUM_MAX_CHUNKS chunks) the planned forward does chunk_cumsum's and
+    chunk_cb's work in chunk_state's launch; past that many chunks, at a chunk size it is not built for or with dt
+    in a third dtype, chunk_cumsum keeps its launch: with FUSED_CB the cb fusion alone, without it the separate
+    launches. The launchers' bits everywhere."""
     monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    monkeypatch.setattr(launch, "FUSED_CUMSUM", True)
-    for chunk, dt_dtype, cb, fused in ((64, None, False, None), (64, None, True, "chunk_state_cb_kernel"),
-                                       (256, torch.float16, False, None)):
+    most = launch.FUSED_CUMSUM_MAX_CHUNKS * 256
+    for seqlen, chunk, dt_dtype, cb, fused in ((most, 256, None, False, "chunk_state_cumsum_cb_kernel"),
+                                               (300, 256, torch.bfloat16, False, "chunk_state_cumsum_cb_kernel"),
+                                               (most + 1, 256, None, False, None),
+                                               (most + 1, 256, None, True, "chunk_state_cb_kernel"),
+                                               (300, 64, None, False, None), (300, 64, None, True, "chunk_state_cb_kernel"),
+                                               (300, 256, torch.float16, False, None)):
         monkeypatch.setattr(launch, "FUSED_CB", cb)
-        case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=300, chunk_size=chunk, device="cpu",
+        case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=seqlen, chunk_size=chunk, device="cpu",
                          seed=4, dtype=torch.bfloat16, dt_dtype=dt_dtype)
         with emulated_launches() as launches:
             y0, fin0 = _launchers_forward(case)
             n0 = len(launches)
             y1, fin1 = launch.planned_forward(*_forward_args(case))
         names = [name for name, _, _ in launches[n0:]]
-        assert "chunk_cumsum_kernel" in names and "chunk_state_cumsum_cb_kernel" not in names, names
-        assert (fused or "chunk_state_kernel") in names and ("chunk_cb_kernel" in names) == (fused is None)
+        if fused == "chunk_state_cumsum_cb_kernel":
+            assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel"} & set(names), names
+        else:
+            assert "chunk_cumsum_kernel" in names and "chunk_state_cumsum_cb_kernel" not in names, names
+            assert ("chunk_cb_kernel" in names) == (fused is None)
+        assert (fused or "chunk_state_kernel") in names, names
         assert torch.equal(y1, y0) and torch.equal(fin1, fin0)
     launch.clear_plans()
 

@@ -625,7 +625,7 @@ def _knobs() -> tuple:
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
             OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM,
-            FUSED_PASS, FUSED_PASS_MAX_CHUNKS, FUSED_PASS_BY_HEAD)
+            FUSED_CUMSUM_MAX_CHUNKS, FUSED_PASS, FUSED_PASS_MAX_CHUNKS, FUSED_PASS_BY_HEAD)
 
 
 def _profiling_override() -> bool:
@@ -715,14 +715,20 @@ class _StatePlan(NamedTuple):
 
 # The planned forward launches chunk_cb's programs in front of chunk_state's, in one launch
 # (chunk_state.chunk_state_cb_kernel), instead of launching chunk_cb between state_passing and the output kernel:
-# one dependent launch fewer. An experiment, not yet measured on a GPU; off until it is. The planned forward
-# only (no seq_idx): the launchers' path runs the two ops' kernels as the ops do.
+# one dependent launch fewer. The planned forward only (no seq_idx): the launchers' path runs the two ops' kernels
+# as the ops do. Off by itself: measured (performance-log v40, H100) it gains 1-2 us at 1K, where FUSED_CUMSUM
+# (which includes it) gains more, is within noise at 4K and costs 2-4% at 16K and 64K.
 FUSED_CB = False
 # ... and chunk_cumsum's work too (chunk_state.chunk_state_cumsum_cb_kernel: each state program forms its chunk's dt
 # and cumulative sums from dt, and the first headdim and dstate tile's program stores them for the kernels after
 # it): three dependent launches. Built at FUSED_CUMSUM_CHUNKS only, for dt in float32 or the activations' dtype.
-# An experiment, not yet measured; off.
-FUSED_CUMSUM = False
+# On by default up to FUSED_CUMSUM_MAX_CHUNKS chunks: measured (docs/performance-log.md v40, H100, CUDA graph
+# replays, H=80 P=64 bf16 chunk 256) it takes 2.7-3.7 us off the 1K call (0.0349 -> 0.0312 ms at N=64, 0.0422 ->
+# 0.0382 at N=128, 0.0605 -> 0.0578 at N=256, 0.0945 -> 0.0918 at N=512), is within noise at 4K (+1% at N=64,
+# -1% at N=128) and costs 2-3% at 16K and 64K, where the launches it saves are a small part of the call and its
+# state programs (one per headdim and dstate tile, each forming the chunk's sums) do more than chunk_cumsum did.
+FUSED_CUMSUM = True
+FUSED_CUMSUM_MAX_CHUNKS = 4
 FUSED_CUMSUM_CHUNKS = (256,)
 
 
@@ -731,13 +737,17 @@ FUSED_CUMSUM_CHUNKS = (256,)
 # kernel's. The walk is one program's per tile, as long as there are chunks, so only for short sequences (at most
 # FUSED_PASS_MAX_CHUNKS chunks: 1K tokens at chunk 256). With FUSED_CB and FUSED_CUMSUM the planned forward at
 # 1K tokens is two dependent launches. Built for bfloat16 at FUSED_PASS_CHUNKS, where the planned forward keeps
-# bfloat16 local and entering states. An experiment, not yet measured; off.
+# bfloat16 local and entering states. Off: measured slower at every 1K point (performance-log v40, H100: +17 to
+# +23 us over the same launches without it, 0.0312 -> 0.0385 ms at N=64, 0.0578 -> 0.0761 at N=256), as the
+# one program per state tile that walks the chunks starts only when its tile's last chunk is done and walks alone,
+# where state_passing spreads the same walk over many more, smaller programs.
 FUSED_PASS = False
 FUSED_PASS_MAX_CHUNKS = 4
 FUSED_PASS_CHUNKS = (256,)
 # At two heads a program, the walk takes one head at a time (half the registers, twice the steps) instead of the
 # whole tile: in the sm_90 builds the whole-tile walk spills (40 B at 64-wide tiles, 220 B at 128-wide in the
-# 32-bit-indexed builds), the walk by head does not. Which is faster is not measured.
+# 32-bit-indexed builds), the walk by head does not. Measured faster than the whole-tile walk (0.0761 -> 0.0681 ms
+# at 1K, N=256), still slower than no FUSED_PASS; off.
 FUSED_PASS_BY_HEAD = False
 
 
@@ -1468,7 +1478,8 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
     dt_args = ((dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max))
-               if FUSED_CUMSUM and dt.dtype in (torch.float32, x.dtype) else None)
+               if FUSED_CUMSUM and num_chunks(T, sub) <= FUSED_CUMSUM_MAX_CHUNKS and dt.dtype in (torch.float32, x.dtype)
+               else None)
     if FUSED_CB or dt_args is not None:
         states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
                              config.get("state_block"), entering is not None, entering, dev, cb_programs(out),

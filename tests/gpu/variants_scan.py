@@ -138,7 +138,9 @@ VARIANTS["out walk forward"] = ({}, {}, True, *_DEFAULT_FLAGS, "walk", "norev")
 # chunk_cb's programs in chunk_state's launch (launch.FUSED_CB; the planned forward, so no overrides with it)
 VARIANTS["fused cb"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb")
 VARIANTS["fused cb walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "walk")
-# ... and chunk_cumsum's work in that launch too (launch.FUSED_CUMSUM, chunk 256)
+# ... and chunk_cumsum's work in that launch too (launch.FUSED_CUMSUM, chunk 256; the default up to
+# FUSED_CUMSUM_MAX_CHUNKS chunks: these variants at any length, "unfused" at none)
+VARIANTS["unfused"] = ({}, {}, True, *_DEFAULT_FLAGS, "unfused")
 VARIANTS["fused cumsum"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum")
 VARIANTS["fused cumsum walk"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "walk")
 # state_passing's work in chunk_state's launch (launch.FUSED_PASS, up to four chunks), alone and with each of the two
@@ -154,13 +156,19 @@ def variant(name):
     """The module's switches set as VARIANTS[name] says for the duration, then restored."""
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
-                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD)
+                launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD,
+                launch.FUSED_CUMSUM_MAX_CHUNKS)
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
-    launch.FUSED_CUMSUM = "fusedcumsum" in flags
+    # "fusedcumsum" at any length; the other fused variants and "unfused" without it; else the default (on for
+    # short sequences)
+    launch.FUSED_CUMSUM = "fusedcumsum" in flags or (
+        defaults[9] and not any(f.startswith("fused") or f == "unfused" for f in flags))
+    if "fusedcumsum" in flags:
+        launch.FUSED_CUMSUM_MAX_CHUNKS = 1 << 30
     launch.FUSED_PASS = "fusedpass" in flags
     launch.FUSED_PASS_BY_HEAD = "byhead" in flags
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[-5])
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[7])
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
@@ -181,7 +189,7 @@ def variant(name):
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
          launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM,
-         launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD) = defaults
+         launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD, launch.FUSED_CUMSUM_MAX_CHUNKS) = defaults
 
 
 def main():
