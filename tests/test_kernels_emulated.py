@@ -1055,11 +1055,13 @@ def test_fused_cumsum_by_default_for_short_sequences_where_built(monkeypatch):
     launches. The launchers' bits everywhere."""
     monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
     most = launch.FUSED_CUMSUM_MAX_CHUNKS * 256
+    # dt_dtype None: dt in the activations' dtype (bfloat16)
     for seqlen, chunk, dt_dtype, cb, fused in ((most, 256, None, False, "chunk_state_cumsum_cb_kernel"),
-                                               (300, 256, torch.bfloat16, False, "chunk_state_cumsum_cb_kernel"),
+                                               (300, 256, torch.float32, False, "chunk_state_cumsum_cb_kernel"),
                                                (most + 1, 256, None, False, None),
                                                (most + 1, 256, None, True, "chunk_state_cb_kernel"),
-                                               (300, 64, None, False, None), (300, 64, None, True, "chunk_state_cb_kernel"),
+                                               (300, 64, None, False, None),
+                                               (300, 64, None, True, "chunk_state_cb_kernel"),
                                                (300, 256, torch.float16, False, None)):
         monkeypatch.setattr(launch, "FUSED_CB", cb)
         case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=seqlen, chunk_size=chunk, device="cpu",

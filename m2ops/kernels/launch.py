@@ -716,14 +716,14 @@ class _StatePlan(NamedTuple):
 # The planned forward launches chunk_cb's programs in front of chunk_state's, in one launch
 # (chunk_state.chunk_state_cb_kernel), instead of launching chunk_cb between state_passing and the output kernel:
 # one dependent launch fewer. The planned forward only (no seq_idx): the launchers' path runs the two ops' kernels
-# as the ops do. Off by itself: measured (performance-log v40, H100) it gains 1-2 us at 1K, where FUSED_CUMSUM
-# (which includes it) gains more, is within noise at 4K and costs 2-4% at 16K and 64K.
+# as the ops do. Off by itself: measured (performance-log v40, H100) it gains 1-3 us at 1K, where FUSED_CUMSUM
+# (which includes it) gains more, is within noise at 4K and costs 3-4% at 16K and 64K.
 FUSED_CB = False
 # ... and chunk_cumsum's work too (chunk_state.chunk_state_cumsum_cb_kernel: each state program forms its chunk's dt
 # and cumulative sums from dt, and the first headdim and dstate tile's program stores them for the kernels after
 # it): three dependent launches. Built at FUSED_CUMSUM_CHUNKS only, for dt in float32 or the activations' dtype.
 # On by default up to FUSED_CUMSUM_MAX_CHUNKS chunks: measured (docs/performance-log.md v40, H100, CUDA graph
-# replays, H=80 P=64 bf16 chunk 256) it takes 2.7-3.7 us off the 1K call (0.0349 -> 0.0312 ms at N=64, 0.0422 ->
+# replays, H=80 P=64 bf16 chunk 256) it takes 2.7-4.0 us off the 1K call (0.0349 -> 0.0312 ms at N=64, 0.0422 ->
 # 0.0382 at N=128, 0.0605 -> 0.0578 at N=256, 0.0945 -> 0.0918 at N=512), is within noise at 4K (+1% at N=64,
 # -1% at N=128) and costs 2-3% at 16K and 64K, where the launches it saves are a small part of the call and its
 # state programs (one per headdim and dstate tile, each forming the chunk's sums) do more than chunk_cumsum did.
@@ -737,8 +737,8 @@ FUSED_CUMSUM_CHUNKS = (256,)
 # kernel's. The walk is one program's per tile, as long as there are chunks, so only for short sequences (at most
 # FUSED_PASS_MAX_CHUNKS chunks: 1K tokens at chunk 256). With FUSED_CB and FUSED_CUMSUM the planned forward at
 # 1K tokens is two dependent launches. Built for bfloat16 at FUSED_PASS_CHUNKS, where the planned forward keeps
-# bfloat16 local and entering states. Off: measured slower at every 1K point (performance-log v40, H100: +17 to
-# +23 us over the same launches without it, 0.0312 -> 0.0385 ms at N=64, 0.0578 -> 0.0761 at N=256), as the
+# bfloat16 local and entering states. Off: measured slower at every 1K point (performance-log v40, H100: +7 to
+# +22 us over the same launches without it, 0.0312 -> 0.0385 ms at N=64, 0.0578 -> 0.0761 at N=256), as the
 # one program per state tile that walks the chunks starts only when its tile's last chunk is done and walks alone,
 # where state_passing spreads the same walk over many more, smaller programs.
 FUSED_PASS = False
@@ -1478,8 +1478,8 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     if (entering is not None) != out.states_bf16:
         return none  # compute_out would convert the states first
     dt_args = ((dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max))
-               if FUSED_CUMSUM and num_chunks(T, sub) <= FUSED_CUMSUM_MAX_CHUNKS and dt.dtype in (torch.float32, x.dtype)
-               else None)
+               if FUSED_CUMSUM and num_chunks(T, sub) <= FUSED_CUMSUM_MAX_CHUNKS
+               and dt.dtype in (torch.float32, x.dtype) else None)
     if FUSED_CB or dt_args is not None:
         states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
                              config.get("state_block"), entering is not None, entering, dev, cb_programs(out),

@@ -158,17 +158,18 @@ def variant(name):
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
                 launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD,
                 launch.FUSED_CUMSUM_MAX_CHUNKS)
+    default_cumsum, default_reverse = launch.FUSED_CUMSUM, launch.OUT_REVERSE
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
     # "fusedcumsum" at any length; the other fused variants and "unfused" without it; else the default (on for
     # short sequences)
     launch.FUSED_CUMSUM = "fusedcumsum" in flags or (
-        defaults[9] and not any(f.startswith("fused") or f == "unfused" for f in flags))
+        default_cumsum and not any(f.startswith("fused") or f == "unfused" for f in flags))
     if "fusedcumsum" in flags:
         launch.FUSED_CUMSUM_MAX_CHUNKS = 1 << 30
     launch.FUSED_PASS = "fusedpass" in flags
     launch.FUSED_PASS_BY_HEAD = "byhead" in flags
-    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and defaults[7])
+    launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and default_reverse)
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
     launch.OUT_CARRY_OVERRIDE = True if "carry" in flags else False if "walk" in flags else None
