@@ -322,3 +322,44 @@ def test_fused_launches_give_the_same_results(monkeypatch, mode, seqlen, dstate,
                 assert rel_err(a, b) <= 1e-5
             else:
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["OUT_EARLY=1", "OUT_EARLY=2", "STATE_EARLY=1", "STATE_EARLY=1+OUT_EARLY=2",
+                                  "WALK_EARLY=1"])
+@pytest.mark.parametrize("seqlen,dstate,fused", [(4096, 64, ""), (1024, 64, ""), (300, 32, ""), (4096, 128, ""),
+                                                 (1024, 256, ""), (4096, 64, "FUSED_CB"), (1024, 64, "FUSED_CUMSUM"),
+                                                 (1024, 256, "FUSED_CUMSUM"), (4096, 512, "FUSED_CB")])
+def test_early_loads_give_the_same_results(monkeypatch, mode, seqlen, dstate, fused):
+    """launch.OUT_EARLY (compute_out_carry requests its first block's x, C and B before it waits for the kernel
+    before it) and STATE_EARLY (chunk_state its first block's x and B before it waits for chunk_cumsum) against
+    the default, the public call eager (planned) and replayed from a CUDA graph (the launchers after chunk_cumsum),
+    ten calls each; after chunk_cb, after state_passing (FUSED_CB) and in the fused short-sequence chain. The loads
+    read only inputs, so every call gives the default's bits; a load that overtook a write of the kernel before
+    would not. WALK_EARLY (the walk's own-chunk part before its wait, after a chunk_state launch that formed
+    C . B^T) adds the state term in another order: its calls agree with each other to the bit and with the
+    default within rounding, the final state to the bit."""
+    from m2ops.kernels import launch
+    monkeypatch.setattr(launch, "FUSED_CUMSUM", False)
+    case = make_case(seqlen=seqlen, nheads=8, headdim=64, ngroups=2, dstate=dstate, dtype=torch.bfloat16,
+                     D="h", z=True, initial_states=True, chunk_size=256, seed=seqlen, dt_dtype=torch.float32)
+    with torch.no_grad():
+        if fused:
+            monkeypatch.setattr(launch, fused, True)
+        want = public_call(case)
+        for setting in mode.split("+"):
+            name, value = setting.split("=")
+            monkeypatch.setattr(launch, name, int(value) if name == "OUT_EARLY" else bool(int(value)))
+        got = [public_call(case) for _ in range(10)]
+        g, static_out = captured(lambda: public_call(case))
+        replays = []
+        for _ in range(10):
+            g.replay()
+            replays.append(tuple(t.clone() for t in static_out))
+    torch.cuda.synchronize()
+    for out in got + replays:
+        for i, (a, b, c) in enumerate(zip(out, want, got[0])):
+            assert torch.equal(a, c)
+            if "WALK_EARLY" in mode and i == 0:
+                assert rel_err(a, b) <= 2e-3
+            else:
+                assert torch.equal(a, b)
