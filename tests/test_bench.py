@@ -55,6 +55,18 @@ def test_pool_serves_points_from_one_worker_and_replaces_a_failed_one():
         assert pool.workers["m2ops"].proc.pid != pid
 
 
+def test_fresh_pool_gives_every_point_its_own_worker():
+    """--fresh: each peer and shape in a process of its own, ended after its point."""
+    with Pool(fresh=True) as pool:
+        procs = []
+        for seqlen in (100, 200):
+            r = pool.run("m2ops", _job(seqlen), timeout=120)
+            assert "ms" in r and r["pid"] not in procs
+            procs.append(r["pid"])
+            assert "m2ops" not in pool.workers  # ended after its point
+    assert len(set(procs)) == 2
+
+
 def test_pool_records_a_timeout_and_kills_the_worker():
     with Pool() as pool:
         r = pool.run("m2ops", _job(100), timeout=0.01)  # not even the imports finish

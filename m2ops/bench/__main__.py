@@ -72,6 +72,10 @@ def parse_args(argv=None):
                         "one of them, the next row on whichever is free first (default: the one visible device)")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--resume", action="store_true", help="keep results already in OUT/results.json")
+    p.add_argument("--fresh", action="store_true",
+                   help="run every peer and shape in a new process of its own (by default a peer's worker process "
+                        "serves its points one after another and is replaced after any failure; --fresh costs a "
+                        "process start, imports and kernel loads per point)")
     p.add_argument("--check", action="store_true",
                    help="also compare m2ops's y and final state (with --backward: its gradients) with the float32 "
                         "reference at every point")
@@ -140,7 +144,7 @@ def _measure(pool, a, shape, peer, mode, progress, gpu=None):
 def _serve(rows, lock, a, mode, progress, gpu=None):
     """Measure rows, taken one at a time from the shared queue, until none is left."""
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-    with Pool(env=env) as pool:
+    with Pool(env=env, fresh=a.fresh) as pool:
         while True:
             with lock:
                 if not rows:

@@ -1,5 +1,5 @@
 """Worker processes of the benchmark, one per peer (worker.py --serve), each restarted after a failure or a
-timeout so that no point runs in a process another point has broken."""
+timeout so that no point runs in a process another point has broken; or, with fresh, one per peer and point."""
 
 from __future__ import annotations
 
@@ -64,11 +64,13 @@ class _Worker:
 
 class Pool:
     """pool.run(peer, job, timeout) -> the worker's result dict; a worker per peer, started on demand (with
-    env as its environment, e.g. CUDA_VISIBLE_DEVICES naming its GPU; default: this process's)."""
+    env as its environment, e.g. CUDA_VISIBLE_DEVICES naming its GPU; default: this process's). With fresh, every
+    point gets a worker of its own, which ends after it."""
 
-    def __init__(self, env=None):
+    def __init__(self, env=None, fresh=False):
         self.workers: dict = {}
         self.env = env
+        self.fresh = fresh  # a new worker for every point, ended after it (python -m m2ops.bench --fresh)
 
     def run(self, peer: str, job: dict, timeout: float) -> dict:
         w = self.workers.get(peer)
@@ -80,18 +82,24 @@ class Pool:
         if "error" in result:  # the worker exits after a failure; the next point gets a fresh one
             w.stop()
             del self.workers[peer]
+        elif self.fresh:
+            self._retire(peer)
         return result
 
+    def _retire(self, peer):
+        """End peer's worker after its point: its stdin closed, it returns from its loop and exits."""
+        w = self.workers.pop(peer)
+        if w.alive():
+            w.proc.stdin.close()  # end of jobs: the worker returns
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        w.stop()
+
     def close(self):
-        for w in self.workers.values():
-            if w.alive():
-                w.proc.stdin.close()  # end of jobs: the worker returns
-                try:
-                    w.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-            w.stop()
-        self.workers.clear()
+        for peer in list(self.workers):
+            self._retire(peer)
 
     def __enter__(self):
         return self

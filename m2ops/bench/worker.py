@@ -5,13 +5,14 @@ the peer's imports and its compiled kernels are paid once per peer rather than o
                                            'RESULT <json>'
 
 After a failed point the serving worker exits (a peer's illegal memory access poisons its CUDA context), and
-the pool (pool.py) starts a fresh one for the next point.
+the pool (pool.py) starts a fresh one for the next point. With the bench's --fresh every point gets a new worker.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -36,7 +37,7 @@ def run(job: dict) -> dict:
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - t0
     ms = median_ms(fn, runs=job["runs"], warmup=job["warmup"], device=device)
-    out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device)}
+    out = {"ms": ms, "setup_s": round(setup_s, 2), "device": _device_name(device), "pid": os.getpid()}
     if eager_name(job["peer"]) == "tilegym-tuned":
         # how this point's searches were answered: from --peer-tuning's file, or run
         after = peer_tuning.search_counts()
