@@ -117,19 +117,18 @@ def carry_cases(draw):
     return kw
 
 
-@given(carry_cases(), st.booleans(), st.booleans(), st.sampled_from((0, 1, 2)))
+@given(carry_cases(), st.booleans(), st.booleans())
 @SWEEP
-def test_compute_out_carry_and_walk(kw, carry, reverse, early):
+def test_compute_out_carry_and_walk(kw, carry, reverse):
     """compute_out's two output kernels on the reference's intermediates: compute_out_carry (one program per
     chunk, the state carried through its row blocks, chunk_cb's diagonal blocks only) where it can run, and the
-    column walk, each forced, each in either order of chunks (OUT_REVERSE), the carry's first block loaded in
-    each way of OUT_EARLY; seq_idx, D, z, initial states, ragged ends and every dtype."""
+    column walk, each forced, each in either order of chunks (OUT_REVERSE); seq_idx, D, z, initial states, ragged
+    ends and every dtype."""
     case = make_case(**kw)
     y_ref, _, _, mid = reference_forward(case)
-    default_reverse, default_early = launch.OUT_REVERSE, launch.OUT_EARLY
+    default_reverse = launch.OUT_REVERSE
     launch.OUT_CARRY_OVERRIDE = carry
     launch.OUT_REVERSE = reverse
-    launch.OUT_EARLY = early
     try:
         with emulated_launches() as launches:
             y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
@@ -137,7 +136,6 @@ def test_compute_out_carry_and_walk(kw, carry, reverse, early):
     finally:
         launch.OUT_CARRY_OVERRIDE = None
         launch.OUT_REVERSE = default_reverse
-        launch.OUT_EARLY = default_early
     names = [name for name, _, _ in launches]
     if launches:
         want = ("compute_out_carry_kernel" if carry and launch.out_carry_can_run(case["B"].shape[3], case["chunk_size"])
@@ -258,29 +256,6 @@ def test_chunk_scan(kw, path):
                                        case["initial_states"], case["D"], case["z"], case["seq_idx"])
     finally:
         launch.SEGMENTS_OVERRIDE = None
-    _check(y, y_ref, "y", dtype, "y")
-    _check(fin, fin_ref, "states", dtype, "final_states")
-
-
-@given(cases(), st.sampled_from([0, 1, 2]))
-@SWEEP
-def test_chunk_scan_after_cumsum_with_early_loads(kw, out_early):
-    """The chunk_scan op called as the public function's eager path calls it (after_cumsum) with launch.STATE_EARLY
-    on (chunk_state's x and B requested before its wait, the in-loop form) and the carry's early forms: the
-    reference's y and final state, with seq_idx, ragged ends, every dtype; chunk_state takes the early build."""
-    case = make_case(**kw)
-    y_ref, fin_ref, _, mid = reference_forward(case)
-    dtype = case["x"].dtype
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
-        mp.setattr(launch, "STATE_EARLY", True)
-        mp.setattr(launch, "OUT_EARLY", out_early)
-        with emulated_launches() as launches:
-            y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
-                                       case["initial_states"], case["D"], case["z"], case["seq_idx"],
-                                       after_cumsum=True)
-    tails = [args[-1] for name, _, args in launches if name == "chunk_state_kernel"]
-    assert tails in ([], [1]), tails  # [] where the reference ran (float64)
     _check(y, y_ref, "y", dtype, "y")
     _check(fin, fin_ref, "states", dtype, "final_states")
 
@@ -824,7 +799,7 @@ def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
     _check(y, y_ref, "y", torch.bfloat16, "y")
     # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
     # BL: chunk_cb's third from the end (before TN and DIAG), compute_out's sixth from the end
-    blocks = [(name, grid[0], a[-3] if name == "chunk_cb_kernel" else a[-7]) for name, grid, a in launches]
+    blocks = [(name, grid[0], a[-3] if name == "chunk_cb_kernel" else a[-6]) for name, grid, a in launches]
     assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
     monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
     with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
@@ -1014,57 +989,6 @@ def test_planned_forward_with_fused_cumsum(kw, carry, hb):
     assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel", "chunk_state_cb_kernel"} & set(names)
     for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
-
-
-@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]), out_early=st.sampled_from([0, 1, 2]))
-@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_early_loads(kw, carry, hb, out_early):
-    """STATE_EARLY (and OUT_EARLY): the planned forward launches chunk_state's early build right after chunk_cumsum
-    and gives the launchers' bits, either output kernel, one or two heads a program; the launchers' chunk_scan
-    called without after_cumsum (as an op, after any kernel) never takes it."""
-    launched: list = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "OUT_EARLY", out_early)
-        names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, "STATE_EARLY", launched=launched)
-    assert names[:2] == ["chunk_cumsum_kernel", "chunk_state_kernel"], names
-    assert [args[-1] for name, _, args in launched if name == "chunk_state_kernel"] == [1, 1]
-    for y, fin in got:
-        assert torch.equal(y, y0) and torch.equal(fin, fin0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "STATE_EARLY", True)
-        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
-        case = make_case(**kw)
-        _, _, _, mid = reference_forward(case)
-        with emulated_launches() as launches:
-            launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
-                              case["initial_states"], case["D"], case["z"], None)
-    assert [args[-1] for name, _, args in launches if name == "chunk_state_kernel"] in ([], [0])
-
-
-@given(kw=cases(), hb=st.sampled_from([1, 2]), fusion=st.sampled_from(["FUSED_CB", "FUSED_CUMSUM"]))
-@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_walk_early(kw, hb, fusion):
-    """WALK_EARLY: after a chunk_state launch that formed C . B^T (FUSED_CB, FUSED_CUMSUM), the planned forward's
-    walk takes its early build (the chunk's own tokens first, the state term added last): the launchers' y and
-    final state within the kernels' tolerance (another order of rounding), the final state the same bits; never
-    with FUSED_PASS (its launch forms C . B^T and the states just before the output kernel)."""
-    if fusion == "FUSED_CUMSUM":
-        kw.update(chunk_size=256)
-    launched: list = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "WALK_EARLY", True)
-        names, got, (y0, fin0) = _fused_planned_calls(kw, False, hb, fusion, launched=launched)
-    assert [args[-1] for name, _, args in launched if name == "compute_out_kernel"] == [1, 1], names
-    for y, fin in got:
-        _check(y, y0, "y", y0.dtype, "y")
-        assert torch.equal(fin, fin0)
-    launched = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "WALK_EARLY", True)
-        names, _, _ = _fused_planned_calls(dict(kw, seqlen=min(kw["seqlen"], 4 * kw["chunk_size"])), False, hb,
-                                           (fusion, "FUSED_PASS"), launched=launched)
-    early = [args[-1] for name, _, args in launched if name == "compute_out_kernel"]
-    assert early == ([0, 0] if "chunk_state_pass_kernel" in names else [1, 1]), names
 
 
 _FOUR_CHUNKS = dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=1000, nheads=4, ngroups=1, headdim=80,

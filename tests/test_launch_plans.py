@@ -70,7 +70,7 @@ def test_chunk_state_heads_follow_dstate(dstate, heads_per_group, hb):
     plan = launch._state_plan(1, 1024, h, 64, 2, dstate, 256, "bfloat16", False, False, None, True, torch.bfloat16,
                               torch.device("cpu"))
     step = plan.chunk_state
-    assert step.tail[-2:] == (hb, 0)  # HB, then EARLY (0: the op called on its own)
+    assert step.tail[-1] == hb  # HB, the last constant
     n_tiles = launch.cdiv(dstate, launch.chunk_state_tn(dstate))
     assert step.grid[0] == 4 * (h // hb) * 1 * n_tiles  # chunks x head groups x headdim tiles x dstate tiles
 

@@ -231,16 +231,14 @@ def run(kernel, grid, args, emu: _Emu):
         fn(*args)
 
 
-# specs.launch_key of every launch run here without a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE) or an
-# experiment's switch away from its default (launch.EXPERIMENT_DEFAULTS: builds that all_specs() lists only while
-# the switch is on): tests/test_kernels_emulated.py checks that each is a specialisation the compile test builds.
+# specs.launch_key of every launch run here without a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE):
+# tests/test_kernels_emulated.py checks that each is a specialisation the compile test builds.
 LAUNCHED: set = set()
 
 
 def _record(kernel, args):
     from m2ops.kernels import launch, specs
-    if (not launch.CONSTANT_OVERRIDE and not launch.HINT_OVERRIDE
-            and all(getattr(launch, k) == v for k, v in launch.EXPERIMENT_DEFAULTS.items())):
+    if not launch.CONSTANT_OVERRIDE and not launch.HINT_OVERRIDE:
         LAUNCHED.add(specs.launch_key(kernel, args))
 
 

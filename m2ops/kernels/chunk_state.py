@@ -57,31 +57,17 @@ def program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB):
     return nt, pt, hb, c, (hb * HB) // heads_per_group
 
 
-def sub_block_inputs(x, B, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
-    """B's (BL, TN) tile and x's (BL, TP) tile (HB = 1) or (BL, HB, TP) tile of row block row: inputs of the call,
-    which no kernel of the forward writes."""
+def add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
+    """s + (w x)^T B over the BL tokens of row block row, w (HB, BL) the tokens' weights."""
     bs = load_tile(B, (b, row, g, nt), (1, BL, 1, TN), CHK).reshape((BL, TN))
     if HB == 1:
         xs = load_tile(x, (b, row, hb, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    else:
-        xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
-    return bs, xs
-
-
-def add_loaded(s, xs, bs, w, BL, TP, HB):
-    """s + (w x)^T B over one row block's tiles as sub_block_inputs loads them, w (HB, BL) the tokens' weights."""
-    if HB == 1:
         s = weighted_state_product(xs, bs, w.reshape((BL,)), s)
     else:
+        xs = load_tile(x, (b, row, hb, pt), (1, BL, HB, TP), CHK).reshape((BL, HB, TP))
         xw = scale_by(xs, ct.transpose(w)[:, :, None])
         s = ct.mma(ct.transpose(xw.reshape((BL, HB * TP))), bs.astype(xs.dtype), s)
     return s
-
-
-def add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
-    """s + (w x)^T B over the BL tokens of row block row, w (HB, BL) the tokens' weights."""
-    bs, xs = sub_block_inputs(x, B, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB)
-    return add_loaded(s, xs, bs, w, BL, TP, HB)
 
 
 def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
@@ -115,44 +101,14 @@ def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nhea
     return cs_last
 
 
-def state_program_early(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group,
-                        n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
-    """state_program with the wait for the kernel before (chunk_cumsum, whose cumulative sums it reads) after the
-    first row block's x and B are requested, inside the loop, which keeps the build's warp specialisation; cs at
-    the chunk's last token is then loaded in every block (launch.STATE_EARLY)."""
-    nt, pt, hb, c, g = program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB)
-    s = ct.zeros((HB * TP, TN), dtype=ct.float32)
-    n_sub = ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
-    for sb in range(n_sub):
-        row = c * (L // BL) + sb
-        bs, xs = sub_block_inputs(x, B, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB)
-        if sb == 0:
-            dependent_launch_prologue()
-        cs_end = ct.load(dA_cumsum, (b, hb, c, L // BL - 1), shape=(1, HB, 1, BL), check_bounds=False)
-        cs_last = ct.extract(cs_end, index=(0, 0, 0, BL - 1), shape=(1, HB, 1, 1)).reshape((HB, 1))
-        cs = ct.load(dA_cumsum, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
-        dt = ct.load(dt_out, (b, hb, c, sb), shape=(1, HB, 1, BL), check_bounds=False).reshape((HB, BL))
-        w = token_weight(cs_last, cs, dt)
-        if HAS_SEQ:
-            seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
-            seq = load_tile(seq_idx, (b, row), (1, BL), CHK).reshape((1, BL))
-            w = ct.where(seq == seq_last, w, 0.0)
-        s = add_loaded(s, xs, bs, w, BL, TP, HB)
-    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
-
-
 @ct.kernel
 def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big,
                        seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, HB: ConstInt, EARLY: ConstInt):
-    if EARLY == 0:
-        dependent_launch_prologue()
-        state_program(x, B, dt_out, dA_cumsum, seq_idx, states, ct.bid(0), ct.bid(1), seqlen, nheads,
-                      heads_per_group, n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
-    else:
-        state_program_early(x, B, dt_out, dA_cumsum, seq_idx, states, ct.bid(0), ct.bid(1), seqlen, nheads,
-                            heads_per_group, n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
+                       CHK: ConstBool, HB: ConstInt):
+    dependent_launch_prologue()
+    state_program(x, B, dt_out, dA_cumsum, seq_idx, states, ct.bid(0), ct.bid(1), seqlen, nheads, heads_per_group,
+                  n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
 
 
 @ct.kernel

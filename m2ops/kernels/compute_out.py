@@ -26,57 +26,14 @@ from .common import (LOG2E, Big, ConstBool, ConstInt, cdiv, dependent_launch_pro
 _ZERO = ct.PaddingMode.ZERO
 
 
-def _inter(acc, C, states, b, rb, c, h, g, pt, n_ntiles, BL, TP, TN, CHK, SBF, mma_dtype):
-    """acc + C_i . S^T, the state entering chunk c, over dstate in TN steps (bfloat16 under SBF, else tf32)."""
-    for k in range(n_ntiles):
-        ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
-        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
-        if SBF:
-            acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
-        else:
-            acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
-                         ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
-    return acc
-
-
-def _columns(acc, x, cb, dA_cumsum, dt_out, seq_idx, seq_i, csl_s, b, c, m, h, g, pt, blocks_per_chunk, BL, TP,
-             HAS_SEQ, CHK, mma_dtype):
-    """acc + the column blocks j < m of the chunk: weights CB_ij * exp(cs_s - cs_j) * dt_j."""
-    for jb in range(m):
-        jrow = c * blocks_per_chunk + jb
-        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
-                      check_bounds=False).reshape((BL, BL))
-        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
-        if HAS_SEQ:
-            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
-            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
-        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-        acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
-    return acc
-
-
-def _diagonal(acc, cbd, xi, cs_i, dt_i, seq_i, BL, HAS_SEQ, mma_dtype):
-    """acc + the diagonal block: causal mask (and same sequence), decay formed per element."""
-    rows = ct.arange(BL, dtype=ct.int32)
-    keep = rows[:, None] >= rows[None, :]
-    if HAS_SEQ:
-        keep = keep & (seq_i[:, None] == seq_i[None, :])
-    decay = diag_decay(cs_i, keep)
-    wgt = scale_by(cbd, decay * dt_i[None, :])
-    return ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
-
-
 @ct.kernel
 def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                        seq_idx: Big, y: Big,
                        seqlen: int, nheads: int, heads_per_group: int, dstate: int, n_ptiles: int,
                        has_d: int, has_z: int, reverse: int,
                        L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                       CHK: ConstBool, SBF: ConstBool, EARLY: ConstInt):
-    if EARLY == 0:
-        dependent_launch_prologue()
+                       CHK: ConstBool, SBF: ConstBool):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -102,7 +59,6 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
-    seq_i = ct.zeros((BL,), dtype=ct.int32)
     if HAS_SEQ:
         seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
         seq_prev = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=())
@@ -113,32 +69,44 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
 
+    # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
     acc = ct.zeros((BL, TP), dtype=ct.float32)
-    if EARLY == 0:
-        # Inter-chunk term from the state entering the chunk, scaled by exp(cs_s) now and exp(cs_i - cs_s) below.
-        acc = _inter(acc, C, states, b, rb, c, h, g, pt, n_ntiles, BL, TP, TN, CHK, SBF, mma_dtype)
-        if HAS_SEQ:
-            acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
+    for k in range(n_ntiles):
+        ci = load_tile(C, (b, rb, g, k), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        st = load_tile(states, (b, c, h, pt, k), (1, 1, 1, TP, TN), CHK).reshape((TP, TN))
+        if SBF:
+            acc = ct.mma(ci, ct.transpose(st.astype(mma_dtype)), acc)
         else:
-            acc = acc * exp2(csl_s)
-        acc = _columns(acc, x, cb, dA_cumsum, dt_out, seq_idx, seq_i, csl_s, b, c, m, h, g, pt, blocks_per_chunk,
-                       BL, TP, HAS_SEQ, CHK, mma_dtype)
-        acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
-        acc = _diagonal(acc, cbd, xi, cs_i, dt_i, seq_i, BL, HAS_SEQ, mma_dtype)
+            acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
+                         ct.transpose(st.astype(ct.float32)).astype(ct.tfloat32), acc)
+    if HAS_SEQ:
+        acc = acc * ct.where(seq_i == seq_prev, exp2(csl_s), 0.0)[:, None]
     else:
-        # The chunk's own tokens first, before the wait (launch.WALK_EARLY says when that is safe: C . B^T and
-        # the cumulative sums written two or more launches before, x and C inputs), then the state term.
-        acc = _columns(acc, x, cb, dA_cumsum, dt_out, seq_idx, seq_i, csl_s, b, c, m, h, g, pt, blocks_per_chunk,
-                       BL, TP, HAS_SEQ, CHK, mma_dtype)
-        acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
-        acc = _diagonal(acc, cbd, xi, cs_i, dt_i, seq_i, BL, HAS_SEQ, mma_dtype)
-        dependent_launch_prologue()
-        inter = _inter(ct.zeros((BL, TP), dtype=ct.float32), C, states, b, rb, c, h, g, pt, n_ntiles, BL, TP, TN,
-                       CHK, SBF, mma_dtype)
-        row_scale = exp2(cs_i * LOG2E)
+        acc = acc * exp2(csl_s)
+
+    # Column blocks below the diagonal one: weights CB_ij * exp(cs_s - cs_j) * dt_j.
+    for jb in range(m):
+        jrow = c * blocks_per_chunk + jb
+        cbt = ct.load(cb, (b, c, g, m, jb), shape=(1, 1, 1, BL, BL),
+                      check_bounds=False).reshape((BL, BL))
+        cs_j = ct.load(dA_cumsum, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt_j = ct.load(dt_out, (b, h, c, jb), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        wgt = scale_by(cbt, (exp2(csl_s - cs_j * LOG2E) * dt_j)[None, :])
         if HAS_SEQ:
-            row_scale = ct.where(seq_i == seq_prev, row_scale, 0.0)
-        acc = acc + inter * row_scale[:, None]
+            seq_j = load_tile(seq_idx, (b, jrow), (1, BL), CHK).reshape((BL,))
+            wgt = ct.where(seq_i[:, None] == seq_j[None, :], wgt, 0.0)
+        xj = load_tile(x, (b, jrow, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        acc = ct.mma(wgt.astype(mma_dtype), xj.astype(mma_dtype), acc)
+    acc = acc * exp2(cs_i * LOG2E - csl_s)[:, None]
+
+    # The diagonal block: causal mask (and same sequence), decay formed per element.
+    rows = ct.arange(BL, dtype=ct.int32)
+    keep = rows[:, None] >= rows[None, :]
+    if HAS_SEQ:
+        keep = keep & (seq_i[:, None] == seq_i[None, :])
+    decay = diag_decay(cs_i, keep)
+    wgt = scale_by(cbd, decay * dt_i[None, :])
+    acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
 
     # D: has_d 1 is one value per head, D given as (nheads, 1) (no per-channel copy for the host to make);
     # 2 is (nheads, headdim).

@@ -30,78 +30,14 @@ from .common import (LOG2E, Big, ConstBool, ConstInt, cdiv, dependent_launch_pro
                      load_tile, scale_by, silu, token_weight, weighted_state_product)
 
 
-def _block_inputs(x, C, B, b, rb, h, g, pt, BL, TP, TN, CHK):
-    """x, C and B of row block rb: inputs of the call, which no kernel of the forward writes."""
-    xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-    ci = load_tile(C, (b, rb, g, 0), (1, BL, 1, TN), CHK).reshape((BL, TN))
-    bi = load_tile(B, (b, rb, g, 0), (1, BL, 1, TN), CHK).reshape((BL, TN))
-    return xi, ci, bi
-
-
-def _block_scratch(dt_out, dA_cumsum, cb, b, h, c, g, m, BL):
-    """cs, dt and the diagonal C . B^T block of row block m of chunk c: written by the forward's earlier kernels
-    (chunk_cb, or chunk_state's launch, may be the one just before)."""
-    cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    dt_i = ct.load(dt_out, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
-    cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
-    return cs_i, dt_i, cbd
-
-
-def _carry_block(cs_i, dt_i, cbd, xi, ci, bi, s, csl_ref, seq_ref, rb, D, z, seq_idx, y, b, h, pt, causal,
-                 has_d, has_z, BL, TP, HAS_SEQ, CHK, SBF):
-    """y of row block rb from the carried state s (referenced to csl_ref, of sequence seq_ref), and the state,
-    reference and sequence carried to the next block."""
-    mma_dtype = xi.dtype
-    csl_i = cs_i * LOG2E
-
-    acc = ct.zeros((BL, TP), dtype=ct.float32)
-    if SBF:
-        acc = ct.mma(ci, ct.transpose(s.astype(mma_dtype)), acc)
-    else:
-        acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
-                     ct.transpose(s).astype(ct.tfloat32), acc)
-    row_scale = exp2(csl_i - csl_ref)
-    keep = causal
-    seq_i = ct.zeros((BL,), dtype=ct.int32)
-    if HAS_SEQ:
-        seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
-        row_scale = ct.where(seq_i == seq_ref, row_scale, 0.0)
-        keep = keep & (seq_i[:, None] == seq_i[None, :])
-    acc = acc * row_scale[:, None]
-    wgt = scale_by(cbd, diag_decay(cs_i, keep) * dt_i[None, :])
-    acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
-
-    if has_d == 1:
-        acc = acc + xi.astype(ct.float32) * ct.load(D, (h, 0), shape=()).astype(ct.float32)
-    if has_d == 2:
-        acc = acc + xi.astype(ct.float32) * load_tile(D, (h, pt), (1, TP), CHK).astype(ct.float32)
-    if has_z != 0:
-        zi = load_tile(z, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
-        acc = acc * silu(zi.astype(ct.float32))
-    ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
-
-    # The state at the end of this block, for the next one.
-    cs_end = ct.extract(cs_i, index=(BL - 1,), shape=(1,))
-    csl_end = cs_end * LOG2E
-    w = token_weight(cs_end, cs_i, dt_i)
-    carry = exp2(csl_end - csl_ref)
-    seq_end = ct.extract(seq_i, index=(BL - 1,), shape=(1,))
-    if HAS_SEQ:
-        w = ct.where(seq_i == seq_end, w, 0.0)
-        carry = ct.where(seq_end == seq_ref, carry, 0.0)
-    s = weighted_state_product(xi, bi, w, s * carry.reshape((1, 1)))
-    return s, csl_end, seq_end
-
-
 @ct.kernel
 def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, states: Big, D, z: Big,
                              seq_idx: Big, y: Big, B: Big,
                              seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int,
                              has_d: int, has_z: int, reverse: int,
                              L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                             CHK: ConstBool, SBF: ConstBool, EARLY: ConstInt):
-    if EARLY == 0:
-        dependent_launch_prologue()
+                             CHK: ConstBool, SBF: ConstBool):
+    dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
     pt = pid % n_ptiles
@@ -112,18 +48,11 @@ def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Bi
     # still be in L2 when the output kernel starts
     c = in_order(c, cdiv(seqlen, L), reverse)
     g = h // heads_per_group
+    mma_dtype = x.dtype
     blocks_per_chunk = L // BL
     n_sub = ct.minimum(blocks_per_chunk, (seqlen - c * L + BL - 1) // BL)
-    rows = ct.arange(BL, dtype=ct.int32)
-    causal = rows[:, None] >= rows[None, :]
-    if EARLY == 1:
-        # The first block's inputs are requested before the wait, so that their loads overlap the end of the
-        # kernel before (launch.OUT_EARLY says when that is safe: no kernel of the forward writes x, B or C).
-        xi0, ci0, bi0 = _block_inputs(x, C, B, b, c * blocks_per_chunk, h, g, pt, BL, TP, TN, CHK)
-        dependent_launch_prologue()
-    s = ct.zeros((TP, TN), dtype=ct.float32)
-    if EARLY != 2:
-        s = load_tile(states, (b, c, h, pt, 0), (1, 1, 1, TP, TN), CHK).reshape((TP, TN)).astype(ct.float32)
+
+    s = load_tile(states, (b, c, h, pt, 0), (1, 1, 1, TP, TN), CHK).reshape((TP, TN)).astype(ct.float32)
     csl_ref = ct.zeros((1,), dtype=ct.float32)     # log2-scaled cs the carried state is referenced to
     # The loop-carried values (s, csl_ref, seq_ref) are assigned on every path: a loop-carried tile assigned
     # under a compile-time branch gave wrong results on the GPU once (docs/performance-log.md v21, PREFETCH).
@@ -131,27 +60,54 @@ def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Bi
     if HAS_SEQ:
         seq_ref = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=()).reshape((1,))
         seq_ref = ct.where(c == 0, 0, seq_ref)
+    rows = ct.arange(BL, dtype=ct.int32)
+    causal = rows[:, None] >= rows[None, :]
 
-    first = 0
-    if EARLY == 1:
-        cs_i, dt_i, cbd = _block_scratch(dt_out, dA_cumsum, cb, b, h, c, g, 0, BL)
-        s, csl_ref, seq_ref = _carry_block(cs_i, dt_i, cbd, xi0, ci0, bi0, s, csl_ref, seq_ref, c * blocks_per_chunk,
-                                           D, z, seq_idx, y, b, h, pt, causal, has_d, has_z, BL, TP, HAS_SEQ, CHK,
-                                           SBF)
-        first = 1
-    for m in range(first, n_sub):
+    for m in range(n_sub):
         rb = c * blocks_per_chunk + m
-        if EARLY == 2:
-            # The same within the loop (which keeps the build's warp specialisation): the wait after block 0's x,
-            # C and B, the entering state loaded in every block and kept from block 0.
-            xi, ci, bi = _block_inputs(x, C, B, b, rb, h, g, pt, BL, TP, TN, CHK)
-            if m == 0:
-                dependent_launch_prologue()
-            cs_i, dt_i, cbd = _block_scratch(dt_out, dA_cumsum, cb, b, h, c, g, m, BL)
-            s_in = load_tile(states, (b, c, h, pt, 0), (1, 1, 1, TP, TN), CHK).reshape((TP, TN)).astype(ct.float32)
-            s = ct.where(m == 0, s_in, s)
+        cs_i = ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        dt_i = ct.load(dt_out, (b, h, c, m), shape=(1, 1, 1, BL), check_bounds=False).reshape((BL,))
+        cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
+        xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+        ci = load_tile(C, (b, rb, g, 0), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        bi = load_tile(B, (b, rb, g, 0), (1, BL, 1, TN), CHK).reshape((BL, TN))
+        csl_i = cs_i * LOG2E
+
+        acc = ct.zeros((BL, TP), dtype=ct.float32)
+        if SBF:
+            acc = ct.mma(ci, ct.transpose(s.astype(mma_dtype)), acc)
         else:
-            cs_i, dt_i, cbd = _block_scratch(dt_out, dA_cumsum, cb, b, h, c, g, m, BL)
-            xi, ci, bi = _block_inputs(x, C, B, b, rb, h, g, pt, BL, TP, TN, CHK)
-        s, csl_ref, seq_ref = _carry_block(cs_i, dt_i, cbd, xi, ci, bi, s, csl_ref, seq_ref, rb, D, z, seq_idx, y,
-                                           b, h, pt, causal, has_d, has_z, BL, TP, HAS_SEQ, CHK, SBF)
+            acc = ct.mma(ci.astype(ct.float32).astype(ct.tfloat32),
+                         ct.transpose(s).astype(ct.tfloat32), acc)
+        row_scale = exp2(csl_i - csl_ref)
+        keep = causal
+        seq_i = ct.zeros((BL,), dtype=ct.int32)
+        if HAS_SEQ:
+            seq_i = load_tile(seq_idx, (b, rb), (1, BL), CHK).reshape((BL,))
+            row_scale = ct.where(seq_i == seq_ref, row_scale, 0.0)
+            keep = keep & (seq_i[:, None] == seq_i[None, :])
+        acc = acc * row_scale[:, None]
+        wgt = scale_by(cbd, diag_decay(cs_i, keep) * dt_i[None, :])
+        acc = ct.mma(wgt.astype(mma_dtype), xi.astype(mma_dtype), acc)
+
+        if has_d == 1:
+            acc = acc + xi.astype(ct.float32) * ct.load(D, (h, 0), shape=()).astype(ct.float32)
+        if has_d == 2:
+            acc = acc + xi.astype(ct.float32) * load_tile(D, (h, pt), (1, TP), CHK).astype(ct.float32)
+        if has_z != 0:
+            zi = load_tile(z, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
+            acc = acc * silu(zi.astype(ct.float32))
+        ct.store(y, (b, rb, h, pt), acc.astype(y.dtype).reshape((1, BL, 1, TP)))
+
+        # The state at the end of this block, for the next one.
+        cs_end = ct.extract(cs_i, index=(BL - 1,), shape=(1,))
+        csl_end = cs_end * LOG2E
+        w = token_weight(cs_end, cs_i, dt_i)
+        carry = exp2(csl_end - csl_ref)
+        seq_end = ct.extract(seq_i, index=(BL - 1,), shape=(1,))
+        if HAS_SEQ:
+            w = ct.where(seq_i == seq_end, w, 0.0)
+            carry = ct.where(seq_end == seq_ref, carry, 0.0)
+        s = weighted_state_product(xi, bi, w, s * carry.reshape((1, 1)))
+        csl_ref = csl_end
+        seq_ref = seq_end

@@ -370,7 +370,7 @@ def compute_out_constants(chunk_size: int, has_seq: bool, check: bool = True, dt
     (tests/gpu/variants_scan.py, T=16K N=128 / T=64K N=256, chunk 256): compute_out 0.598 -> 0.522 and
     3.053 -> 2.637 ms together with occupancy 4; y moved by 2e-4 relative."""
     k = dict(L=chunk_size, BL=sub_block(chunk_size), TP=TILE_P, TN=TILE_N, HAS_SEQ=bool(has_seq),
-             CHK=bool(check), SBF=dtype == "bfloat16", EARLY=0)
+             CHK=bool(check), SBF=dtype == "bfloat16")
     k.update(CONSTANT_OVERRIDE.get("compute_out", {}))
     return k
 
@@ -625,8 +625,7 @@ def _knobs() -> tuple:
             SEGMENT_PROGRAMS_PER_SM, FORWARD_STATE_BLOCK, SUPER_CHUNK, SUPER_CHUNK_DEFAULT_SEQLEN,
             SUPER_CHUNK_DEFAULT_CHUNKS, OUT_CARRY_OVERRIDE, OUT_CARRY_MAX_DSTATE,
             OUT_CARRY_WIDE_SEQLEN, OUT_REVERSE, CHUNK_STATE_ONE_HEAD_MAX_DSTATE, FUSED_CB, FUSED_CUMSUM,
-            FUSED_CUMSUM_MAX_CHUNKS, FUSED_PASS, FUSED_PASS_MAX_CHUNKS, FUSED_PASS_BY_HEAD, OUT_EARLY, STATE_EARLY,
-            WALK_EARLY)
+            FUSED_CUMSUM_MAX_CHUNKS, FUSED_PASS, FUSED_PASS_MAX_CHUNKS, FUSED_PASS_BY_HEAD)
 
 
 def _profiling_override() -> bool:
@@ -790,12 +789,11 @@ def cb_programs(out) -> tuple:
 
 @_planned
 def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, separate, entering_dtype,
-                device, cb=None, dt_args=None, pass_ok=False, after_cumsum=False) -> _StatePlan:
+                device, cb=None, dt_args=None, pass_ok=False) -> _StatePlan:
     """cb: cb_programs(out) to launch chunk_cb's programs with chunk_state's (where the row blocks agree), or
     None. dt_args (with cb): chunk_cumsum's (has_bias, dt_softplus, dt_min, dt_max), to do its work in the same
     launch where that is built (fused_cumsum_can_run), or None. pass_ok: state_passing's work in that launch too
-    where it is built (fused_pass_can_run). after_cumsum: chunk_state is launched right after this call's
-    chunk_cumsum (the planned forward), so that it may request x and B before it waits (STATE_EARLY)."""
+    where it is built (fused_pass_can_run)."""
     nchunks = num_chunks(T, L)
     local_bf16 = (separate and LOCAL_STATES_IN_BF16 and entering_dtype == torch.bfloat16
                   and "bfloat16" in local_dtype_names(dname, L))
@@ -835,8 +833,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
                             (T, h, h // g, n_state_tiles, n_ptiles, per_group, n, int(diag), *consts), device)
     else:
         chunk_state = _step((n_programs, b, 1), _hinted("chunk_state", hints),
-                            (T, h, h // g, n_state_tiles, n_ptiles, *consts, int(STATE_EARLY and after_cumsum)),
-                            device)
+                            (T, h, h // g, n_state_tiles, n_ptiles, *consts), device)
     # 2. The recurrence over chunks, in place (local -> entering state), on flat blocks of each head's state.
     blk = state_block or forward_state_block()
     n_blocks = cdiv(p * n, blk)
@@ -851,7 +848,7 @@ def _state_plan(b, T, h, p, g, n, L, dname, has_seq, has_init, state_block, sepa
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, state_block=None,
-                   entering_dtype=None, varlen_out=True, after_cumsum=False):
+                   entering_dtype=None, varlen_out=True):
     """state_block: the state_passing block size (default: forward_state_block()). entering_dtype
     (bfloat16; without cu_seqlens): the entering states are returned in that dtype, written by state_passing
     to their own buffer (for compute_out alone: chunk_scan's STATES_IN_BF16 experiment). varlen_out=False
@@ -869,7 +866,7 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens,
     separate = entering_dtype is not None and cu_seqlens is None
     plan = _state_plan(b, T, h, p, g, n, L, _dtype_name(mma_dtype), seq_idx is not None,
                        initial_states is not None, state_block, separate, entering_dtype if separate else None,
-                       dev, None, None, False, after_cumsum)
+                       dev)
     seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
     init = _as(initial_states, torch.float32) if initial_states is not None else None
     states, final_states = _run_states(plan, entering_dtype if separate else None, xk, Bk, dtk, csk, seq, init)
@@ -982,45 +979,15 @@ def out_carry_hints(dtype: str, tn: int) -> dict:
     return {"occupancy": OUT_CARRY_OCCUPANCY[tn] if dtype in ("float16", "bfloat16") else 2}
 
 
-# chunk_state requests its first row block's x and B before it waits for chunk_cumsum (PDL), so that those loads
-# overlap chunk_cumsum; only where the launch before it is known to be this call's chunk_cumsum (the planned
-# forward, after_cumsum): called on its own, the kernel before it may be the one that writes x or B. An experiment
-# (not yet timed).
-STATE_EARLY = False
-
-
-# compute_out's walk does its chunk's own tokens (the column blocks and the diagonal block) before it waits for
-# state_passing, the state product after: only where C . B^T and the cumulative sums come from a launch before
-# state_passing (the planned forward with FUSED_CB or FUSED_CUMSUM, not FUSED_PASS: _out_plan's after_fused_cb).
-# The state term is then added last (other rounding than the default's order). An experiment (not yet timed).
-WALK_EARLY = False
-
-
-# compute_out_carry requests its first row block's x, C and B (and seq_idx) before it waits for the kernel before
-# it (PDL), so that those loads overlap that kernel's end: 1 with that block peeled off the loop, 2 with the wait
-# inside the loop (the entering state then loaded in every block). Safe wherever the carry runs: it is always
-# launched right after chunk_cb or a state kernel of the same call, none of the forward's kernels writes those
-# arrays, and their writers ran before that kernel, which waited for them. An experiment (not yet timed).
-OUT_EARLY = 0
-
-# Switches of experiments whose builds specs.all_specs() lists only while they are on (so CI compiles them only
-# once one is made a default), with their defaults.
-EXPERIMENT_DEFAULTS = {"STATE_EARLY": STATE_EARLY, "WALK_EARLY": WALK_EARLY, "OUT_EARLY": OUT_EARLY}
-
-
 def out_carry_constants(chunk_size: int, dstate: int, has_seq: bool, dtype: str) -> dict:
     k = compute_out_constants(chunk_size, has_seq, dtype=dtype)
     k["TN"] = max(16, 1 << (dstate - 1).bit_length())
-    k["EARLY"] = int(OUT_EARLY)
     k.update(CONSTANT_OVERRIDE.get("compute_out_carry", {}))
     return k
 
 
 @_planned
-def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device, after_fused_cb=False) -> _OutPlan:
-    """after_fused_cb: the launch before the output kernel is state_passing, after a chunk_state launch that
-    formed C . B^T (and, or after, the cumulative sums): the walk may then do the chunk's own tokens before it
-    waits (WALK_EARLY)."""
+def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, device) -> _OutPlan:
     k = _bounds_checked("compute_out", compute_out_constants(L, has_seq, dtype=dname), T, p, n)
     BL = k["BL"]  # sub_block(L), or a profiling override's (128-row blocks at chunk 256: an experiment)
     if L % BL:
@@ -1033,14 +1000,12 @@ def _out_plan(b, T, h, p, g, n, L, dname, has_seq, states_dtype, has_d, has_z, d
         hints = tuple(sorted(out_carry_hints(dname, k["TN"]).items()))
         compute_out = _step((cdiv(T, L) * h * n_ptiles, b, 1), _hinted("compute_out_carry", hints),
                             (T, h, h // g, n_ptiles, has_d, int(has_z), int(OUT_REVERSE),
-                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"], k["EARLY"]),
-                            device)
+                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     else:
         n_ptiles = cdiv(p, k["TP"])
         compute_out = _step((n_rblocks * h * n_ptiles, b, 1), hinted_kernel("compute_out", dname, L),
                             (T, h, h // g, n, n_ptiles, has_d, int(has_z), int(OUT_REVERSE),
-                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"],
-                             int(WALK_EARLY and after_fused_cb)), device)
+                             k["L"], k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["CHK"], k["SBF"]), device)
     # C_i . B_j^T once per (chunk, group), lower-triangular blocks of compute_out's row block (the diagonal ones
     # for compute_out_carry); the output kernel reads it for every head.
     kc = chunk_cb_constants(L, BL, diag=carry)
@@ -1189,14 +1154,13 @@ def median_ms(fn, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states=False, after_cumsum=False):
+def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states=False):
     """y and the final state, through the fused kernels of segments.py or through the fwd_pass_state and
     compute_out kernels (same results up to rounding): the tuned choice for this shape class when the tuning
     cache has one (m2ops.kernels.autotune; a first eager call on a GPU searches, within its budget), else the
     launcher's default (use_segments). keep_states: also return the states entering every chunk where the
     two-op path wrote them in bfloat16 for compute_out (else None), for a backward to reuse
-    (m2ops/ops/eager.py). after_cumsum: the caller launched chunk_cumsum just before (and nothing that writes x or
-    B since), so chunk_state may request x and B before it waits for it (STATE_EARLY)."""
+    (m2ops/ops/eager.py)."""
     L = dt_out.shape[-1]
     if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum) or dt_out.dtype == torch.float64
             or not supported_chunk_size(L)):
@@ -1212,8 +1176,7 @@ def chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_s
         config = autotune.choose("chunk_scan", chunk_scan_shape_key(x, L, B, z, D, seq_idx), default,
                                  candidates, lambda cfg: median_ms(run(cfg)), can_search=_can_search,
                                  device_index=x.device.index or 0)
-    return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states,
-                            after_cumsum)
+    return _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, keep_states)
 
 
 # Sub-chunk sizes chunk_scan's tuning tries for the two-op path (more, shorter programs: short sequences).
@@ -1272,7 +1235,7 @@ def _scan_entering_dtype(mma_dtype):
 
 
 def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
-                     keep_states=False, after_cumsum=False):
+                     keep_states=False):
     L0 = dt_out.shape[-1]
     if config.get("chunk", L0) != L0:
         dt_out, dA_cumsum = rechunk(dt_out, dA_cumsum, config["chunk"], x.shape[1])
@@ -1280,7 +1243,7 @@ def _chunk_scan_with(config, x, dt_out, dA_cumsum, B, C, initial_states, D, z, s
         states, final_states, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None,
                                                  state_block=config.get("state_block"),
                                                  entering_dtype=_scan_entering_dtype(_common_dtype(x, B, C, z)),
-                                                 varlen_out=False, after_cumsum=after_cumsum)
+                                                 varlen_out=False)
         y = compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
         if keep_states:
             # Only the bfloat16 copy at the caller's chunk size: a float32 one is what a recompute replaces.
@@ -1508,7 +1471,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
     entering = _scan_entering_dtype(x.dtype)
     pass_ok = FUSED_PASS
     states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None, config.get("state_block"),
-                         entering is not None, entering, dev, None, None, pass_ok, True)
+                         entering is not None, entering, dev, None, None, pass_ok)
     _, has_d = _d_arg(D, x)
     out = _out_plan(b, T, h, p, g, n, sub, dname, False, entering if entering is not None else states.local_dtype,
                     has_d, z is not None, dev)
@@ -1523,11 +1486,7 @@ def forward_plan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_s
                              dt_args, pass_ok)
         if dt_args is not None and not states.fused_cumsum and not FUSED_CB:
             states = _state_plan(b, T, h, p, g, n, sub, dname, False, initial_states is not None,
-                                 config.get("state_block"), entering is not None, entering, dev, None, None, pass_ok,
-                                 True)
-    if WALK_EARLY and states.fused_cb and not states.fused_pass and not out.carry:
-        out = _out_plan(b, T, h, p, g, n, sub, dname, False,
-                        entering if entering is not None else states.local_dtype, has_d, z is not None, dev, True)
+                                 config.get("state_block"), entering is not None, entering, dev, None, None, pass_ok)
     cumsum = _cumsum_plan(b, T, h, sub, dt_bias is not None, bool(dt_softplus), float(dt_min), float(dt_max), dev)
     cs_shape = cumsum_shape(b, T, h, sub)
     passing = states.pass_shapes

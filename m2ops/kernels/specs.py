@@ -259,14 +259,11 @@ def all_specs() -> list[Spec]:
                     for check in (True, False):
                         for ld in launch.local_dtype_names(dt, L):
                             for tn in (launch.CHUNK_STATE_SMALL_TN, launch.CHUNK_STATE_TN):
-                                # (the early form only where launch.STATE_EARLY has the planned forward take it)
-                                for early in sorted({0, int(launch.STATE_EARLY)}):
-                                    out.append(Spec("chunk_state", dt,
-                                                    {**launch.chunk_state_constants(L, has_seq, check, hb, tn),
-                                                     "EARLY": early},
-                                                    _params("chunk_state", dt, local_dtype=ld),
-                                                    tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
-                                                    dtypes=(("local", ld),) if ld != F32 else ()))
+                                out.append(Spec("chunk_state", dt,
+                                                launch.chunk_state_constants(L, has_seq, check, hb, tn),
+                                                _params("chunk_state", dt, local_dtype=ld),
+                                                tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                                                dtypes=(("local", ld),) if ld != F32 else ()))
                                 if not has_seq:
                                     # with chunk_cb's programs (the planned forward, which has no seq_idx)
                                     cbd = launch.cb_dtype_name(dt)
@@ -303,12 +300,9 @@ def all_specs() -> list[Spec]:
                 for check in (True, False):
                     for sd in launch.entering_dtype_names(dt):
                         extra = tuple((role, d) for role, d in (("cb", cbd), ("states", sd)) if d != F32)
-                        # (the early form only where launch.WALK_EARLY has the planned forward take it)
-                        for early in sorted({0, int(launch.WALK_EARLY and not has_seq)}):
-                            out.append(Spec("compute_out", dt,
-                                            {**launch.compute_out_constants(L, has_seq, check, dt), "EARLY": early},
-                                            _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
-                                            _hints("compute_out", dt, L), dtypes=extra))
+                        out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
+                                        _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
+                                        _hints("compute_out", dt, L), dtypes=extra))
                         # its carry form at each state tile up to OUT_CARRY_MAX_DSTATE
                         if not launch.out_carry_can_run(16, L):
                             continue

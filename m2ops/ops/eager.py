@@ -93,7 +93,7 @@ class _ScanCombined(torch.autograd.Function):
                 dt_max):
         dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
         y, final_states, states = _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx,
-                                                        keep_states=True, after_cumsum=True)
+                                                        keep_states=True)
         if not (KEEP_STATES and any(ctx.needs_input_grad)):
             states = None  # written for compute_out anyway; only not kept
         ctx.save_for_backward(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, dt, A, dt_bias, states)
@@ -125,7 +125,7 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
             if out is not None:
                 return out
         dt_out, dA_cumsum = _Launchers.chunk_cumsum(dt, A, dt_bias, chunk_size, bool(dt_softplus), dt_min, dt_max)
-        return _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx, after_cumsum=True)
+        return _Launchers.chunk_scan(x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx)
     return _ScanCombined.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size,
                                bool(dt_softplus), dt_min, dt_max)
 

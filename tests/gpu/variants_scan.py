@@ -149,21 +149,6 @@ VARIANTS["fused cb pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "fusedpas
 VARIANTS["fused cumsum pass"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "fusedpass")
 # ... its walk a head at a time (launch.FUSED_PASS_BY_HEAD: no spills at two heads, twice the steps)
 VARIANTS["fused cumsum pass by head"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcumsum", "fusedpass", "byhead")
-# compute_out_carry's first block's x, C and B requested before its wait (launch.OUT_EARLY): 1 with that block
-# peeled off the loop (the build loses its warp specialisation), 2 with the wait inside the loop
-VARIANTS["out early 1"] = ({}, {}, True, *_DEFAULT_FLAGS, "early1")
-VARIANTS["out early 2"] = ({}, {}, True, *_DEFAULT_FLAGS, "early2")
-VARIANTS["fused cb out early 2"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "early2")
-# ... and chunk_state's first block's x and B before its wait for chunk_cumsum (launch.STATE_EARLY), alone and with
-# the carry's in-loop form
-VARIANTS["state early"] = ({}, {}, True, *_DEFAULT_FLAGS, "searly")
-VARIANTS["state early out early 2"] = ({}, {}, True, *_DEFAULT_FLAGS, "searly", "early2")
-VARIANTS["state early out early 1"] = ({}, {}, True, *_DEFAULT_FLAGS, "searly", "early1")
-# compute_out's walk with its chunk's own tokens before its wait (launch.WALK_EARLY; after a chunk_state launch that
-# formed C . B^T: FUSED_CUMSUM, the default at <= 4 chunks, or FUSED_CB), and FUSED_CB alone to compare with
-VARIANTS["walk early"] = ({}, {}, True, *_DEFAULT_FLAGS, "wearly")
-VARIANTS["fused cb walk early"] = ({}, {}, True, *_DEFAULT_FLAGS, "fusedcb", "wearly")
-VARIANTS["walk early state early"] = ({}, {}, True, *_DEFAULT_FLAGS, "wearly", "searly")
 
 
 @contextlib.contextmanager
@@ -172,7 +157,7 @@ def variant(name):
     defaults = (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16, launch.LOCAL_STATES_IN_BF16,
                 launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE, launch.SUPER_CHUNK_DEFAULT_SEQLEN,
                 launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM, launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD,
-                launch.FUSED_CUMSUM_MAX_CHUNKS, launch.OUT_EARLY, launch.STATE_EARLY, launch.WALK_EARLY)
+                launch.FUSED_CUMSUM_MAX_CHUNKS)
     default_cumsum, default_reverse = launch.FUSED_CUMSUM, launch.OUT_REVERSE
     consts, hints, narrow, *flags = VARIANTS[name]
     launch.FUSED_CB = "fusedcb" in flags
@@ -184,9 +169,6 @@ def variant(name):
         launch.FUSED_CUMSUM_MAX_CHUNKS = 1 << 30
     launch.FUSED_PASS = "fusedpass" in flags
     launch.FUSED_PASS_BY_HEAD = "byhead" in flags
-    launch.OUT_EARLY = next((int(f[5:]) for f in flags if f.startswith("early")), 0)
-    launch.STATE_EARLY = "searly" in flags
-    launch.WALK_EARLY = "wearly" in flags
     launch.OUT_REVERSE = "rev" in flags or ("norev" not in flags and default_reverse)
     if "nosuper" in flags:
         launch.SUPER_CHUNK_DEFAULT_SEQLEN = 1 << 62
@@ -208,8 +190,7 @@ def variant(name):
         (index_width.NARROW_INDEX, launch.CB_IN_BF16, launch.STATES_IN_BF16,
          launch.LOCAL_STATES_IN_BF16, launch.STATE_BLOCK_OVERRIDE, launch.OUT_CARRY_OVERRIDE,
          launch.SUPER_CHUNK_DEFAULT_SEQLEN, launch.OUT_REVERSE, launch.FUSED_CB, launch.FUSED_CUMSUM,
-         launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD, launch.FUSED_CUMSUM_MAX_CHUNKS, launch.OUT_EARLY,
-         launch.STATE_EARLY, launch.WALK_EARLY) = defaults
+         launch.FUSED_PASS, launch.FUSED_PASS_BY_HEAD, launch.FUSED_CUMSUM_MAX_CHUNKS) = defaults
 
 
 def main():
