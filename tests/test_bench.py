@@ -67,6 +67,14 @@ def test_fresh_pool_gives_every_point_its_own_worker():
     assert len(set(procs)) == 2
 
 
+def test_bench_fresh_measures_each_point_in_its_own_process(tmp_path):
+    """The command line's --fresh reaches the pool: two points of one peer, two worker processes; without it, one."""
+    grid = ("--seqlens", "100,200", "--peers", "m2ops")
+    fresh, _ = _bench(tmp_path / "fresh", *grid, "--fresh")
+    shared, _ = _bench(tmp_path / "shared", *grid)
+    assert len({r["pid"] for r in fresh}) == 2 and len({r["pid"] for r in shared}) == 1
+
+
 def test_pool_records_a_timeout_and_kills_the_worker():
     with Pool() as pool:
         r = pool.run("m2ops", _job(100), timeout=0.01)  # not even the imports finish
