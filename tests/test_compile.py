@@ -191,3 +191,25 @@ def test_kernel_chunk_size_is_a_trace_constant():
             x = torch.ones(1, T)
             torch.testing.assert_close(compiled(x), fn(x))
     assert counter.frame_count == 1
+
+
+def test_constant_mark_matches_torch():
+    """ops.dispatch marks _kernels_serve constant for dynamo by hand (the decorator would import torch._dynamo at
+    m2ops's import): the mark must be the one torch.compiler.assume_constant_result sets, and set."""
+    from m2ops.ops import dispatch
+
+    def probe():
+        return True
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and probe.__dict__ == {"_dynamo_marked_constant": True}
+    assert dispatch._kernels_serve._dynamo_marked_constant is True
+
+
+def test_import_does_not_load_dynamo():
+    """`import m2ops` stays cheap: torch._dynamo (about 2 s on the CPU) is not imported by it."""
+    import subprocess
+    import sys
+    code = "import sys, torch; before = 'torch._dynamo' in sys.modules; import m2ops; " \
+           "print(before, 'torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -43,12 +43,17 @@ def use_kernels(device) -> bool:
     return False
 
 
-@torch.compiler.assume_constant_result
 def _kernels_serve(device_type: str, device_index: int) -> bool:
     """Whether the kernels serve the device (use_kernels, on CUDA only), as a constant of a torch.compile trace
     (dynamo would otherwise trace into the cached lookup and warn about it); the answer cannot change within a
     process."""
     return device_type == "cuda" and use_kernels(torch.device("cuda", device_index))
+
+
+# The mark torch.compiler.assume_constant_result sets, set here without calling it: the call imports
+# torch._dynamo, which took 2.2 s of `import m2ops` on the CPU. tests/test_compile.py checks that the decorator
+# still sets exactly this mark.
+_kernels_serve._dynamo_marked_constant = True
 
 
 def kernel_chunk_size(chunk_size: int, seqlen: int, device) -> int:
