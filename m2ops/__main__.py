@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 import time
 
 import torch
@@ -20,24 +21,100 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each option's default after its help (flags and unset options have none
+    worth showing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and "%(default)" not in text and "(default" not in text
+                and d is not None and d is not False and d != [] and d is not argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+    def _split_lines(self, text, width):  # no breaks inside peer names such as mamba_ssm-c128-graph
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, prog and message, with exit code 2: the usage block that
+    argparse prints first hides the message on a narrow terminal."""
+
+    def __init__(self, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def integer(least: int):
+    """An argparse type: an int of at least `least` (1: positive, 0: non-negative)."""
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(least, f"an integer >= {least}")
+
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < least:
+            raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some of its own messages
+    return parse
+
+
+def device(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N, checked against what this machine has."""
+    if text == "auto":
+        return text
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N; got {text!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"got {text!r}, but torch {torch.__version__} sees no CUDA device "
+                                             "here; use cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"got {text!r}, but there are {torch.cuda.device_count()} CUDA "
+                                             f"devices (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return text
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m m2ops", description=__doc__)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=1000, help="tokens per row (need not divide by chunk size)")
-    p.add_argument("--nheads", type=int, default=8)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--dstate", type=int, default=64)
-    p.add_argument("--ngroups", type=int, default=1)
-    p.add_argument("--chunk-size", type=int, default=128)
+    """The options, each checked here (a bad one exits with one line and code 2) so that no error surfaces
+    later from inside torch.compile's trace."""
+    p = Parser(prog="python -m m2ops", description=__doc__)
+    pos, nonneg = integer(1), integer(0)
+    p.add_argument("--batch", type=pos, default=2, help="rows")
+    p.add_argument("--seqlen", type=pos, default=1000, help="tokens per row (need not divide by chunk size)")
+    p.add_argument("--nheads", type=pos, default=8, help="heads")
+    p.add_argument("--headdim", type=pos, default=64, help="channels per head")
+    p.add_argument("--dstate", type=pos, default=64, help="state size per channel")
+    p.add_argument("--ngroups", type=pos, default=1, help="groups of heads sharing B and C; must divide --nheads")
+    p.add_argument("--chunk-size", type=pos, default=128, help="tokens per chunk of the chunked scan")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on the CPU)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
-    p.add_argument("--sequences", type=int, default=1,
-                   help="pack this many sequences per row (seq_idx); 1 for plain rows")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls after the warm-up")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    p.add_argument("--sequences", type=pos, default=1,
+                   help="pack this many sequences per row (seq_idx), at most --seqlen; 1 for plain rows")
+    p.add_argument("--repeats", type=nonneg, default=5, help="timed calls after the first (compiling) one")
     p.add_argument("--no-compile", action="store_true", help="run eagerly instead of torch.compile")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=nonneg, default=0, help="seed of the random inputs")
+    a = p.parse_args(argv)
+    if a.nheads % a.ngroups:
+        p.error(f"argument --ngroups: expected a divisor of --nheads ({a.nheads}); got {a.ngroups}")
+    if a.sequences > a.seqlen:
+        p.error(f"argument --sequences: expected at most --seqlen ({a.seqlen}), every sequence holding a token; "
+                f"got {a.sequences}")
+    if a.seed >= 2 ** 64:
+        p.error(f"argument --seed: expected less than 2**64 (a torch generator seed); got {a.seed}")
+    return a
 
 
 def make_inputs(a, device, dtype):
@@ -69,8 +146,6 @@ def pick_device(name):
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.nheads % a.ngroups:
-        sys.exit(f"--ngroups ({a.ngroups}) must divide --nheads ({a.nheads})")
     device = pick_device(a.device)
     dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = "cuTile kernels" if device.type == "cuda" and dispatch.use_kernels(device) else "PyTorch reference"

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from m2ops.bench.pool import Pool
 from m2ops.bench.shapes import Shape
 
@@ -339,3 +341,93 @@ def test_every_time_is_given_as_a_multiple_of_the_floor():
     cells = dict(zip(*([c.strip() for c in line.strip("|").split("|")] for line in (head, row))))
     assert cells["m2ops ms (× floor)"] == "0.100 (5.0)" and cells["tilegym ms (× floor)"] == "0.180 (9.0)"
     assert cells["mamba_ssm-c128 ms (× floor)"].startswith("fails:") and cells["floor ms"] == "0.02"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--seqlens", "4Q"], "--seqlens"),
+    (["--seqlens", "0,1K"], "--seqlens"),
+    (["--dstates", "64,,128"], "--dstates"),
+    (["--batch", "0"], "--batch"),
+    (["--nheads", "-2"], "--nheads"),
+    (["--headdim", "0"], "--headdim"),
+    (["--chunk-size", "0"], "--chunk-size"),
+    (["--runs", "0"], "--runs"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--timeout", "0"], "--timeout"),
+    (["--ngroups", "3"], "--ngroups"),  # does not divide the default 80 heads
+    (["--peers", "m2ops,nobody"], "--peers"),
+    (["--peers", "m2ops,m2ops"], "--peers"),
+    (["--peer-points", "nobody=1K:64"], "--peer-points"),
+    (["--peer-points", "tilegym-tuned=4Q:64"], "--peer-points"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bench_rejects_a_bad_option_in_one_line(argv, option, capsys):
+    from m2ops.bench.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"argument {option}:" in err, err
+    if option == "--peers" and "nobody" in argv[1]:
+        assert "unknown peer nobody; known: m2ops," in err
+
+
+def test_parse_sizes_takes_positive_sizes_with_k():
+    from m2ops.bench.shapes import parse_sizes
+    assert parse_sizes("1K, 4k,128") == [1024, 4096, 128]
+    for bad in ("4Q", "0", "-1K", "", "1K,", "K", "1.5K"):
+        with pytest.raises(ValueError, match="positive sizes"):
+            parse_sizes(bad)
+
+
+def test_bench_help_shows_defaults_and_cites_no_design_doc(capsys):
+    from m2ops.bench.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "DESIGN.md" not in out and "docs/benchmarks.md" in out
+    for default in ("(default: 1K,4K,16K,64K,256K)", "(default: 256)", "(default: 100)", "(default: bench-results)"):
+        assert default in out, default
+
+
+def test_default_peers_that_cannot_run_are_skipped_with_the_reason():
+    """--device cpu: the CUDA-graph and GPU-only default peers are left out, one line each; m2ops stays."""
+    from m2ops.bench.__main__ import DEFAULT_PEERS, _runnable, parse_args
+    lines = []
+    peers, cannot = _runnable(parse_args(["--device", "cpu"]), say=lines.append)
+    assert peers == ["m2ops"] and cannot == {}
+    assert len(lines) == len(DEFAULT_PEERS) - 1
+    assert all(line.startswith(f"python -m m2ops.bench: skipping {p}: ") and "needs a CUDA device" in line
+               for p, line in zip(DEFAULT_PEERS[1:], lines))
+
+
+def test_a_named_peer_that_cannot_run_is_announced_and_recorded():
+    from m2ops.bench.__main__ import _runnable, parse_args
+    lines = []
+    peers, cannot = _runnable(parse_args(["--device", "cpu", "--peers", "m2ops,tilegym-graph"]), say=lines.append)
+    assert peers == ["m2ops", "tilegym-graph"] and list(cannot) == ["tilegym-graph"]
+    assert "needs a CUDA device" in cannot["tilegym-graph"]
+    (line,) = lines
+    assert "tilegym-graph cannot run here" in line and "named in --peers" in line
+
+
+def test_unavailable_names_a_missing_package(monkeypatch):
+    import importlib.util
+
+    from m2ops.bench import peers
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert peers.unavailable("mamba_ssm-c128", "cuda") == "mamba_ssm is not installed"
+    assert peers.unavailable("tilegym-tuned-graph", "cpu") == (
+        "tilegym is not installed; needs a CUDA device, and this run's device is cpu")
+    assert peers.unavailable("m2ops-default", "cpu") is None and peers.unavailable("m2ops-graph", "cuda") is None
+
+
+def test_bench_on_the_cpu_skips_the_peers_it_cannot_run(tmp_path):
+    """The default peers on the CPU: m2ops is timed, the others are skipped with a line each, not recorded."""
+    cmd = [sys.executable, "-m", "m2ops.bench", "--seqlens", "100", "--dstates", "16", "--nheads", "2",
+           "--headdim", "8", "--dtype", "float32", "--runs", "2", "--warmup", "1", "--device", "cpu",
+           "--chunk-size", "32", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["peer"] for r in results] == ["m2ops"] and results[0]["ms"] > 0
+    assert "skipping tilegym: " in out.stderr and "skipping m2ops-graph: " in out.stderr
+    assert "fails:" not in out.stdout

@@ -1,9 +1,10 @@
 """The implementations a benchmark compares, each behind the same call: fn() runs one forward pass with
-final states on the shared inputs (or forward and backward). A peer that cannot be imported reports why
-instead of a callable."""
+final states on the shared inputs (or forward and backward). A peer that cannot run here says why
+(unavailable) before any worker starts, and build raises when its import fails."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -24,9 +25,28 @@ def eager_name(peer: str) -> str:
     return peer[:-len("-graph")] if peer.endswith("-graph") else peer
 
 
+def unavailable(peer: str, device: str) -> str | None:
+    """Why peer cannot run on device (cpu or cuda[:N]) on this machine, or None when it can. Checked without
+    importing the peer (find_spec only locates its package): mamba_ssm pulls in Triton, and the bench's main
+    process must not load peers' kernels or touch a GPU its workers use."""
+    why = []
+    module = {"mamba_ssm": "mamba_ssm", "tilegym": "tilegym"}.get(eager_name(peer).split("-")[0])
+    if module is not None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            why.append(f"{module} is not installed")
+    # m2ops runs eagerly anywhere; the others' kernels, and every CUDA graph, need a CUDA device
+    if torch.device(device).type != "cuda" and (module is not None or peer.endswith("-graph")):
+        why.append(f"needs a CUDA device, and this run's device is {device}")
+    return "; ".join(why) or None
+
+
 def make_inputs(shape, device, seed=0):
     """x, B, C in the shape's dtype; dt (already positive: every peer takes it without softplus), A, D and
-    the initial state in float32 — the protocol of DESIGN.md §4. Drawn on the device itself, from a generator
+    the initial state in float32, as docs/benchmarks.md describes. Drawn on the device itself, from a generator
     seeded there: every peer gets the same values, and a 256K-token point takes milliseconds instead of the
     8-20 s that drawing 1.3 G values on the host took."""
     device = torch.device(device)

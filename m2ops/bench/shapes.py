@@ -1,4 +1,4 @@
-"""Benchmark shapes and their floors (DESIGN.md §4): bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s, the larger."""
+"""Benchmark shapes and their floors (docs/benchmarks.md): bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s, the larger."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def parse_sizes(text: str) -> list[int]:
-    """"1K,4K,128" -> [1024, 4096, 128]: comma-separated ints, a K suffix multiplying by 1024."""
+    """"1K,4K,128" -> [1024, 4096, 128]: comma-separated positive ints, a K (or k) suffix multiplying by 1024.
+    Raises ValueError naming the expected form."""
     out = []
     for v in text.split(","):
         v = v.strip()
-        out.append(int(v[:-1]) * 1024 if v.endswith("K") else int(v))
+        digits = v[:-1] if v[-1:] in ("K", "k") else v
+        if not (digits.isascii() and digits.isdigit()) or int(digits) == 0:
+            raise ValueError(f"expected comma-separated positive sizes such as 1K,4K,128 (K: times 1024); "
+                             f"got {text!r}")
+        out.append(int(digits) * (1024 if digits != v else 1))
     return out
 
 
