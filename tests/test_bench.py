@@ -269,15 +269,15 @@ def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
     """m2ops_choice names the tuning cache's chunk_scan entry for the point's shape (else "default") and whether an
     eager call took a plan: what a result row needs to tell a host-bound eager time from a slow kernel."""
     from m2ops.bench.peers import m2ops_choice, make_inputs
-    from m2ops.kernels import autotune, launch
+    from m2ops.kernels import autotune, planned, scan
     from m2ops.ops import eager
     monkeypatch.setenv("M2OPS_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    monkeypatch.setattr(launch, "CALL_PLANS", {})
+    monkeypatch.setattr(planned, "CALL_PLANS", {})
     autotune.forget()
     inp = make_inputs(Shape(seqlen=64, dstate=8, nheads=2, headdim=4, ngroups=1, dtype="float32"), "cpu")
     assert m2ops_choice(inp, 32) == {"m2ops_config": "default", "m2ops_planned": False}
-    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(inp["x"], 32, inp["B"], None, inp["D"], None))
-    other = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(inp["x"], 64, inp["B"], None, inp["D"], None))
+    key = autotune.full_key("chunk_scan", scan.chunk_scan_shape_key(inp["x"], 32, inp["B"], None, inp["D"], None))
+    other = autotune.full_key("chunk_scan", scan.chunk_scan_shape_key(inp["x"], 64, inp["B"], None, inp["D"], None))
     sub = {"path": "split", "state_block": 512, "chunk": 16}
     (tmp_path / "tuning.json").write_text(json.dumps({key: {"config": sub, "ms": 0.1},
                                                        other: {"config": {"path": "fused"}, "ms": 0.1}}))
@@ -285,13 +285,13 @@ def test_m2ops_choice_reads_the_tuned_configuration(tmp_path, monkeypatch):
     assert m2ops_choice(inp, 32)["m2ops_config"] == sub
     # planned: a plan is kept under the key of this point's call (the bench's call, defaults spelled out), not
     # merely under another point's
-    plan = launch.ForwardPlan(None, {}, False, None, (), None, None, object())
-    monkeypatch.setattr(launch, "CALL_PLANS", {"another point": plan})
+    plan = planned.ForwardPlan(None, (), {}, False, None, (), None, None, object())
+    monkeypatch.setattr(planned, "CALL_PLANS", {"another point": plan})
     assert m2ops_choice(inp, 32)["m2ops_planned"] is False
     x, dt, A, B, C, D, init = (inp[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_states"))
     key32 = eager.call_key(x, dt, A, B, C, 32, D, None, None, init, None, None, False, (0.0, float("inf")), True,
                            False, first=True)
-    launch.CALL_PLANS[key32] = plan
+    planned.CALL_PLANS[key32] = plan
     assert m2ops_choice(inp, 32)["m2ops_planned"] is True
     assert m2ops_choice(inp, 64)["m2ops_planned"] is False
     autotune.forget()

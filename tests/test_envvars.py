@@ -86,42 +86,40 @@ def test_switches_read_at_each_call(monkeypatch):
         autotune.budget_s()
 
 
-# The switches read when their module is imported, and the module constant each sets.
+# The switches read when their module is imported, and the value each sets (an expression after the import).
 _AT_IMPORT = {
-    "M2OPS_PDL": "m2ops.kernels.launch.PDL",
-    "M2OPS_INDEX32": "m2ops.kernels.index_width.NARROW_INDEX",
+    "M2OPS_PDL": "m2ops.kernels.config.current().pdl",
+    "M2OPS_INDEX32": "m2ops.kernels.config.current().index32",
     "M2OPS_RECOMPUTE_STATES": "m2ops.ops.eager.KEEP_STATES",
-    "M2OPS_BWD_SEPARATE_CARRY": "m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD",
-    "M2OPS_BWD_DCBW_PREFETCH": "m2ops.kernels.launch_bwd.DCBW_PREFETCH",
+    "M2OPS_BWD_SEPARATE_CARRY": "m2ops.kernels.config.current().separate_carry_grad",
 }
 
 
 def _import_and_print(env: dict) -> subprocess.CompletedProcess:
-    code = ("import importlib\n"
-            f"for path in {list(_AT_IMPORT.values())!r}:\n"
-            "    mod, attr = path.rsplit('.', 1)\n"
-            "    print(path, getattr(importlib.import_module(mod), attr))\n")
+    code = ("import m2ops.kernels.config, m2ops.ops.eager\n"
+            f"for expr in {list(_AT_IMPORT.values())!r}:\n"
+            "    print(expr, eval(expr))\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("M2OPS_")}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                           timeout=300)
 
 
 def test_switches_read_at_import():
-    """Set to "off" (or "on"), each import-time switch gives its module constant; set to anything else, importing
-    the module fails with an error naming the variable."""
+    """Set to "off" (or "on"), each import-time switch gives its value; set to anything else, importing the module
+    fails with an error naming the variable."""
     pytest.importorskip("cuda.tile")
     done = _import_and_print({name: "off" for name in _AT_IMPORT})
     assert done.returncode == 0, done.stderr
     got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert got == {"m2ops.kernels.launch.PDL": "False", "m2ops.kernels.index_width.NARROW_INDEX": "False",
-                   "m2ops.ops.eager.KEEP_STATES": "True", "m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD": "False",
-                   "m2ops.kernels.launch_bwd.DCBW_PREFETCH": "False"}
+    assert got == {"m2ops.kernels.config.current().pdl": "False", "m2ops.kernels.config.current().index32": "False",
+                   "m2ops.ops.eager.KEEP_STATES": "True",
+                   "m2ops.kernels.config.current().separate_carry_grad": "False"}
     done = _import_and_print({"M2OPS_RECOMPUTE_STATES": "on", "M2OPS_BWD_SEPARATE_CARRY": "yes"})
     assert done.returncode == 0, done.stderr
     got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert got["m2ops.ops.eager.KEEP_STATES"] == "False"
-    assert got["m2ops.kernels.launch_bwd.SEPARATE_CARRY_GRAD"] == "True"
-    assert got["m2ops.kernels.launch.PDL"] == "True"  # unset: the default
+    assert got["m2ops.kernels.config.current().separate_carry_grad"] == "True"
+    assert got["m2ops.kernels.config.current().pdl"] == "True"  # unset: the default
     for name in _AT_IMPORT:
         done = _import_and_print({name: "sometimes"})
         assert done.returncode != 0 and f"ValueError: {name}='sometimes': expected 1 or 0" in done.stderr, name

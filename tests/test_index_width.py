@@ -8,7 +8,8 @@ import torch
 
 ct = pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
 
-from m2ops.kernels import index_width, launch  # noqa: E402
+from m2ops.kernels import index_width, planned, registry, runtime, specialise  # noqa: E402
+from knobs import knobs  # noqa: E402
 
 
 def _meta(*shape):
@@ -31,7 +32,7 @@ def _index_dtypes(kernel):
 
 
 def test_twin_indexes_in_32_bits_with_the_same_hints():
-    k = launch._hinted("compute_out", (("occupancy", 4),))
+    k = specialise.hinted("compute_out", (("occupancy", 4),))
     twin = index_width.narrow_twin(k)
     assert twin is not k and index_width.narrow_twin(k) is twin
     assert twin._compiler_options == k._compiler_options
@@ -61,19 +62,19 @@ def test_launch_takes_the_twin_only_when_enabled_and_fitting(monkeypatch, enable
             assert programmatic_dependent_launch == "pdl"  # _pdl's answer, passed through
             launched.append(kernel)
 
-    monkeypatch.setattr(launch, "ct", Stub)
-    monkeypatch.setattr(launch, "_stream_handle", lambda: 1234)
-    monkeypatch.setattr(launch, "_pdl", lambda kernel: "pdl")
-    monkeypatch.setattr(index_width, "NARROW_INDEX", enabled)
-    k = launch.chunk_cumsum_kernel
-    launch._launch((1, 1, 1), k, (_meta(8, 8), 3))
-    launch._launch((1, 1, 1), k, (_meta(2 ** 16, 2 ** 16), 3))
+    monkeypatch.setattr(runtime, "ct", Stub)
+    monkeypatch.setattr(runtime, "stream_handle", lambda: 1234)
+    monkeypatch.setattr(runtime, "uses_pdl", lambda kernel: "pdl")
+    knobs(monkeypatch, index32=enabled)
+    k = registry.KERNELS["chunk_cumsum"]
+    runtime.launch((1, 1, 1), k, (_meta(8, 8), 3))
+    runtime.launch((1, 1, 1), k, (_meta(2 ** 16, 2 ** 16), 3))
     assert launched[1] is k
     assert launched[0] is (index_width.narrow_twin(k) if enabled else k)
 
 
 def test_a_slot_keeps_the_first_choice(monkeypatch):
-    """launch._launch with a slot (a ForwardPlan's launches, launch._Resolved): the kernel for_args chose on the
+    """runtime.launch with a slot (a ForwardPlan's launches, planned.Resolved): the kernel for_args chose on the
     first launch is launched from then on, without looking at the arrays again."""
     launched, looked = [], []
 
@@ -83,31 +84,31 @@ def test_a_slot_keeps_the_first_choice(monkeypatch):
             launched.append(kernel)
 
     real = index_width.for_args
-    monkeypatch.setattr(launch, "ct", Stub)
-    monkeypatch.setattr(launch, "_stream_handle", lambda: 1)
+    monkeypatch.setattr(runtime, "ct", Stub)
+    monkeypatch.setattr(runtime, "stream_handle", lambda: 1)
     monkeypatch.setattr(index_width, "for_args", lambda k, a: looked.append(1) or real(k, a))
-    monkeypatch.setattr(index_width, "NARROW_INDEX", True)
-    k = launch.chunk_cumsum_kernel
-    go = launch._Resolved()
-    step = launch.Step((1, 1, 1), k, False, (3,))
+    knobs(monkeypatch, index32=True)
+    k = registry.KERNELS["chunk_cumsum"]
+    go = planned.Resolved()
+    step = runtime.Step((1, 1, 1), k, False, (3,))
     for _ in range(3):
         go(step, (_meta(8, 8),))
     assert looked == [1] and launched == [index_width.narrow_twin(k)] * 3
-    other = launch.Step((1, 1, 1), k, False, (4,))  # a step of its own: its own choice
+    other = runtime.Step((1, 1, 1), k, False, (4,))  # a step of its own: its own choice
     go(other, (_meta(2 ** 16, 2 ** 16),))
     assert looked == [1, 1] and launched[-1] is k
 
 
 def test_dense_copies_only_expanded_views():
-    """launch._dense: contiguous and strided tensors pass through untouched (the kernels read strides); a view
+    """runtime.dense: contiguous and strided tensors pass through untouched (the kernels read strides); a view
     with stride 0 over a dimension longer than one is made contiguous (distinct indices must address
     distinct elements)."""
     t = torch.randn(4, 6)
-    assert launch._dense(t) is t
+    assert runtime.dense(t) is t
     strided = t[:, ::2]
-    assert launch._dense(strided) is strided
+    assert runtime.dense(strided) is strided
     single = torch.randn(4, 1).expand(4, 1)  # stride 0 only over a dimension of size one
-    assert launch._dense(single) is single
+    assert runtime.dense(single) is single
     expanded = torch.randn(4, 1).expand(4, 6)
-    out = launch._dense(expanded)
+    out = runtime.dense(expanded)
     assert out is not expanded and out.is_contiguous() and torch.equal(out, expanded)

@@ -19,16 +19,20 @@ import sys
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
+pytestmark = pytest.mark.slow  # minutes on a 2-core machine: outside the quick subset (-m "not slow")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 from gpu_cases import TOL, make_case, per_head_sum_err, per_head_sum_scales, reference_forward, rel_err  # noqa: E402
-from tile_emulator import emulated_kernels, shuffled_programs  # noqa: E402
+from tile_emulator import emulated_kernels  # noqa: E402
 
-from m2ops.kernels import launch  # noqa: E402
+from m2ops.kernels import common, config, decode, forward, planned, runtime, scan, specialise  # noqa: E402
+from m2ops.reference import chunked as ref  # noqa: E402
+from knobs import knobs  # noqa: E402
+from m2ops.meta import shapes  # noqa: E402
 from m2ops.reference import state_update as ref_su  # noqa: E402
 
 EXAMPLES = int(os.environ.get("M2OPS_EMULATED_EXAMPLES", "80"))
@@ -41,19 +45,17 @@ def _check(out, expected, kind, dtype, what):
 
 
 @contextlib.contextmanager
-def emulated_launches(shuffle_seed=None):
-    """emulated_kernels(), recording every launch as (kernel name, grid, arguments); with shuffle_seed, each launch's
-    programs run in a shuffled order (tile_emulator.shuffled_programs)."""
+def emulated_launches():
+    """emulated_kernels(), recording every launch as (kernel name, grid, arguments)."""
     launches = []
-    with emulated_kernels() as emu, (shuffled_programs(emu, shuffle_seed) if shuffle_seed is not None
-                                     else contextlib.nullcontext()):
-        emulated = launch._launch
+    with emulated_kernels():
+        emulated = runtime.launch
 
         def spy(grid, kernel, args, *rest):
             launches.append((kernel._pyfunc.__name__, grid, args))
             return emulated(grid, kernel, args, *rest)
 
-        launch._launch = spy  # emulated_kernels puts the real launcher back on exit
+        runtime.launch = spy  # emulated_kernels puts the real launcher back on exit
         yield launches
 
 
@@ -91,12 +93,12 @@ def test_forward_kernels(kw):
     dtype = case["x"].dtype
     lo, hi = case["dt_limit"]
     with emulated_kernels():
-        dt_out, cs = launch.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["chunk_size"],
+        dt_out, cs = forward.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], case["chunk_size"],
                                          case["dt_softplus"], float(lo), float(hi))
-        st_, fin, var = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+        st_, fin, var = forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                               case["initial_states"], case["seq_idx"],
                                               case["cu_seqlens"] if varlen else None)
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+        y = forward.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                                case["D"], case["z"], case["seq_idx"])
     _check(dt_out, mid["dt_out"], "cumsum", dtype, "dt_out")
     _check(cs, mid["dA_cumsum"], "cumsum", dtype, "dA_cumsum")
@@ -122,23 +124,16 @@ def carry_cases(draw):
 def test_compute_out_carry_and_walk(kw, carry, reverse):
     """compute_out's two output kernels on the reference's intermediates: compute_out_carry (one program per
     chunk, the state carried through its row blocks, chunk_cb's diagonal blocks only) where it can run, and the
-    column walk, each forced, each in either order of chunks (OUT_REVERSE); seq_idx, D, z, initial states, ragged
+    column walk, each forced, each in either order of chunks (the config's out_reverse); seq_idx, D, z, initial states, ragged
     ends and every dtype."""
     case = make_case(**kw)
     y_ref, _, _, mid = reference_forward(case)
-    default_reverse = launch.OUT_REVERSE
-    launch.OUT_CARRY_OVERRIDE = carry
-    launch.OUT_REVERSE = reverse
-    try:
-        with emulated_launches() as launches:
-            y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
-                                   case["D"], case["z"], case["seq_idx"])
-    finally:
-        launch.OUT_CARRY_OVERRIDE = None
-        launch.OUT_REVERSE = default_reverse
+    with config.override(out_carry=carry, out_reverse=reverse), emulated_launches() as launches:
+        y = forward.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+                                case["D"], case["z"], case["seq_idx"])
     names = [name for name, _, _ in launches]
     if launches:
-        want = ("compute_out_carry_kernel" if carry and launch.out_carry_can_run(case["B"].shape[3], case["chunk_size"])
+        want = ("compute_out_carry_kernel" if carry and specialise.out_carry_can_run(case["B"].shape[3], case["chunk_size"])
                 else "compute_out_kernel")
         assert names == ["chunk_cb_kernel", want]
         diag = launches[0][2][-1]  # chunk_cb's DIAG: the diagonal blocks alone for the carry
@@ -149,14 +144,14 @@ def test_compute_out_carry_and_walk(kw, carry, reverse):
 def test_out_carry_default_rule(monkeypatch):
     """The carry is the default at dstate <= 64 at any length and at dstate 65-128 from OUT_CARRY_WIDE_SEQLEN
     tokens; never above OUT_CARRY_MAX_DSTATE or for chunks of one row block; the override forces either."""
-    wide = launch.OUT_CARRY_WIDE_SEQLEN
-    assert launch.out_carry_applies(64, 256, 1024) and launch.out_carry_applies(16, 128, 100)
-    assert not launch.out_carry_applies(128, 256, wide - 1) and launch.out_carry_applies(128, 256, wide)
-    assert not launch.out_carry_applies(256, 256, 1 << 18) and not launch.out_carry_applies(64, 64, 1 << 16)
-    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", False)
-    assert not launch.out_carry_applies(64, 256, 1 << 16)
-    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", True)
-    assert launch.out_carry_applies(128, 256, 1024) and not launch.out_carry_applies(256, 256, 1024)
+    wide = specialise.OUT_CARRY_WIDE_SEQLEN
+    assert specialise.out_carry_applies(64, 256, 1024) and specialise.out_carry_applies(16, 128, 100)
+    assert not specialise.out_carry_applies(128, 256, wide - 1) and specialise.out_carry_applies(128, 256, wide)
+    assert not specialise.out_carry_applies(256, 256, 1 << 18) and not specialise.out_carry_applies(64, 64, 1 << 16)
+    knobs(monkeypatch, out_carry=False)
+    assert not specialise.out_carry_applies(64, 256, 1 << 16)
+    knobs(monkeypatch, out_carry=True)
+    assert specialise.out_carry_applies(128, 256, 1024) and not specialise.out_carry_applies(256, 256, 1024)
 
 
 def _bf16_case(**kw):
@@ -171,12 +166,12 @@ def test_in_bounds_kernels_skip_bounds_checks(chunk_size, seqlen, seq_idx):
     raises if such a load leaves its array)."""
     case = _bf16_case(chunk_size=chunk_size, batch=2, seqlen=seqlen, nheads=4, ngroups=2, headdim=64, dstate=128,
                       D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=seqlen)
-    assert launch.tiles_in_bounds(seqlen, 64, 128, launch.chunk_state_constants(chunk_size, seq_idx))
+    assert specialise.tiles_in_bounds(seqlen, 64, 128, specialise.chunk_state_constants(chunk_size, seq_idx))
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
-        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+        st_, fin, _ = forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                             case["initial_states"], case["seq_idx"], None)
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
+        y = forward.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
                                mid["states"], case["D"], case["z"], case["seq_idx"])
     _check(st_, mid["states"], "states", torch.bfloat16, "states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
@@ -188,9 +183,9 @@ def test_unchecked_load_outside_array_raises(monkeypatch):
     case = _bf16_case(chunk_size=64, seqlen=100, nheads=2, headdim=64, dstate=64, dt_softplus=False,
                       dt_bias=False, nseqs=1, seed=1)
     _, _, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"CHK": False}})
+    monkeypatch.setattr(specialise, "tiles_in_bounds", lambda *a: True)  # a wrong promise
     with emulated_kernels(), pytest.raises(IndexError, match="check_bounds=False"):
-        launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+        forward.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                            None, None, None)
 
 
@@ -203,43 +198,43 @@ def test_state_passing_checks_only_partial_blocks(monkeypatch, headdim, dstate, 
     gives the reference's entering and final states either way (in place, or to the separate bfloat16 array),
     across seq_idx restarts and an odd number of chunks. The emulator raises if an unchecked load leaves its
     array."""
-    monkeypatch.setattr(launch, "FORWARD_STATE_BLOCK", block)
+    knobs(monkeypatch, state_block=block)
     case = _bf16_case(chunk_size=64, batch=2, seqlen=300, nheads=2, ngroups=1, headdim=headdim, dstate=dstate,
                       initial_states=True, seq_idx=seq_idx, nseqs=3, seed=dstate)
     _, fin_ref, _, mid = reference_forward(case)
     with emulated_launches() as launches:
-        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+        st_, fin, _ = forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                             case["initial_states"], case["seq_idx"], None,
                                             entering_dtype=torch.bfloat16 if separate else None)
     # the constants end the arguments: BLK, HAS_SEQ, LAT, SEP, CHK
     assert [(a[-5], a[-1]) for name, _, a in launches if name == "state_passing_kernel"] == [(block, checked)]
-    assert launch.state_passing_checks(block, headdim * dstate) is checked
+    assert specialise.state_passing_checks(block, headdim * dstate) is checked
     _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
 
 
 def test_kept_state_plan_follows_the_forward_block(monkeypatch):
-    """FORWARD_STATE_BLOCK is part of a kept plan's key: changing it between two identical calls changes the
-    block the second call launches with."""
+    """The config (its state_block here) is part of a kept plan's key: changing it between two identical calls
+    changes the block the second call launches with."""
     case = _bf16_case(chunk_size=64, batch=1, seqlen=200, nheads=2, ngroups=1, headdim=16, dstate=64, seed=3)
     _, _, _, mid = reference_forward(case)
     with emulated_launches() as launches:
         for block in (512, 1024):
-            monkeypatch.setattr(launch, "FORWARD_STATE_BLOCK", block)
-            launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], None, None, None)
+            knobs(monkeypatch, state_block=block)
+            forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], None, None, None)
     assert [a[-5] for name, _, a in launches if name == "state_passing_kernel"] == [512, 1024]
 
 
 def test_state_blocks_of_forward_and_backward(monkeypatch):
     """The forward's walk takes FORWARD_STATE_BLOCK whatever the shape; the backward's walk keeps its own rule
     (the largest block that still fills the GPU); STATE_BLOCK_OVERRIDE sets both."""
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert launch.forward_state_block() == launch.FORWARD_STATE_BLOCK == 512
-    assert launch.backward_walk_block(1, 80, 64 * 128, cpu) == 1024
-    assert launch.backward_walk_block(1, 80, 64 * 256, cpu) == 2048
-    monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 2048)
-    assert launch.forward_state_block() == launch.backward_walk_block(1, 80, 64 * 128, cpu) == 2048
+    assert specialise.forward_state_block() == specialise.FORWARD_STATE_BLOCK == 512
+    assert specialise.backward_walk_block(1, 80, 64 * 128, cpu) == 1024
+    assert specialise.backward_walk_block(1, 80, 64 * 256, cpu) == 2048
+    knobs(monkeypatch, state_block=2048)
+    assert specialise.forward_state_block() == specialise.backward_walk_block(1, 80, 64 * 128, cpu) == 2048
 
 
 @given(cases(), st.sampled_from([True, None]))
@@ -249,13 +244,9 @@ def test_chunk_scan(kw, path):
     case = make_case(**kw)
     y_ref, fin_ref, _, mid = reference_forward(case)
     dtype = case["x"].dtype
-    launch.SEGMENTS_OVERRIDE = path
-    try:
-        with emulated_kernels():
-            y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
-                                       case["initial_states"], case["D"], case["z"], case["seq_idx"])
-    finally:
-        launch.SEGMENTS_OVERRIDE = None
+    with config.override(segments=path), emulated_kernels():
+        y, fin = scan.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                 case["initial_states"], case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", dtype, "y")
     _check(fin, fin_ref, "states", dtype, "final_states")
 
@@ -267,13 +258,9 @@ def test_chunk_scan_segment_counts(segments):
     case = make_case(seqlen=333, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64,
                      dtype=torch.float32, initial_states=True, seq_idx=True, D="h", z=True, device="cpu")
     y_ref, fin_ref, _, mid = reference_forward(case)
-    launch.SEGMENTS_OVERRIDE, launch.SEGMENT_COUNT_OVERRIDE = True, segments
-    try:
-        with emulated_kernels():
-            y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
-                                       case["initial_states"], case["D"], case["z"], case["seq_idx"])
-    finally:
-        launch.SEGMENTS_OVERRIDE, launch.SEGMENT_COUNT_OVERRIDE = None, None
+    with config.override(segments=True, segment_count=segments), emulated_kernels():
+        y, fin = scan.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+                                 case["initial_states"], case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", torch.float32, "y")
     _check(fin, fin_ref, "states", torch.float32, "final_states")
 
@@ -281,15 +268,15 @@ def test_chunk_scan_segment_counts(segments):
 @pytest.mark.parametrize("seqlen,sub", [(300, 64), (700, 128), (64, 64), (1000, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_scan_on_sub_chunks(seqlen, sub, dtype):
-    """chunk_scan's sub-chunk candidate (launch.rechunk, a tuning choice): dt_out and dA_cumsum of chunk 256
+    """chunk_scan's sub-chunk candidate (scan.rechunk, a tuning choice): dt_out and dA_cumsum of chunk 256
     re-cut into chunks of `sub` give the reference's y and final state at chunk 256, with seq_idx restarts,
     initial states, D and z, T not a multiple of either chunk size."""
     case = make_case(seqlen=seqlen, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=256, dtype=dtype,
                      initial_states=True, seq_idx=True, D="h", z=True, device="cpu", seed=seqlen)
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
-        blk = launch.forward_state_block()
-        y, fin = launch._chunk_scan_with({"path": "split", "state_block": blk, "chunk": sub}, case["x"],
+        blk = specialise.forward_state_block()
+        y, fin = scan.chunk_scan_with({"path": "split", "state_block": blk, "chunk": sub}, case["x"],
                                          mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                          case["initial_states"], case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", dtype, "y")
@@ -299,21 +286,21 @@ def test_chunk_scan_on_sub_chunks(seqlen, sub, dtype):
 @pytest.mark.parametrize("seqlen,L", [(300, 128), (700, 64), (100, 64), (1000, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_scan_on_super_chunks(seqlen, L, dtype):
-    """chunk_scan's super-chunk candidate (a tuning choice for callers' chunks below launch.SUPER_CHUNK):
-    dt_out and dA_cumsum of chunk L carried across into chunks of 256 (launch.rechunk) give the reference's y
+    """chunk_scan's super-chunk candidate (a tuning choice for callers' chunks below scan.SUPER_CHUNK):
+    dt_out and dA_cumsum of chunk L carried across into chunks of 256 (scan.rechunk) give the reference's y
     and final state at chunk L, with seq_idx restarts, initial states, D and z, T not a multiple of either chunk
     size and a last chunk of 256 that holds fewer L-chunks than it has room for."""
     case = make_case(seqlen=seqlen, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=L, dtype=dtype,
                      initial_states=True, seq_idx=True, D="h", z=True, device="cpu", seed=seqlen + L)
     y_ref, fin_ref, _, mid = reference_forward(case)
-    dt2, cs2 = launch.rechunk(mid["dt_out"], mid["dA_cumsum"], launch.SUPER_CHUNK, seqlen)
-    want_dt, want_cs = launch.ref.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], launch.SUPER_CHUNK, True,
+    dt2, cs2 = scan.rechunk(mid["dt_out"], mid["dA_cumsum"], scan.SUPER_CHUNK, seqlen)
+    want_dt, want_cs = ref.chunk_cumsum(case["dt"], case["A"], case["dt_bias"], scan.SUPER_CHUNK, True,
                                                *case["dt_limit"])
-    assert cs2.shape == want_cs.shape == (1, 2, launch.num_chunks(seqlen, 256), 256)
+    assert cs2.shape == want_cs.shape == (1, 2, shapes.num_chunks(seqlen, 256), 256)
     assert torch.equal(dt2, want_dt.float()) and torch.allclose(cs2, want_cs.float(), rtol=1e-5, atol=1e-5)
     with emulated_kernels():
-        blk = launch.forward_state_block()
-        y, fin = launch._chunk_scan_with({"path": "split", "state_block": blk, "chunk": launch.SUPER_CHUNK},
+        blk = specialise.forward_state_block()
+        y, fin = scan.chunk_scan_with({"path": "split", "state_block": blk, "chunk": scan.SUPER_CHUNK},
                                          case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                          case["initial_states"], case["D"], case["z"], case["seq_idx"])
     _check(y, y_ref, "y", dtype, "y")
@@ -346,7 +333,7 @@ def test_state_update(dtype, dstate, opts):
     )
     ey, enew = ref_su.state_update(**kw)
     with emulated_kernels():
-        y, new = launch.state_update(**kw)
+        y, new = decode.state_update(**kw)
     assert y.dtype == ey.dtype and new.dtype == enew.dtype
     assert rel_err(y, ey) <= DECODE_TOL[dtype]
     assert rel_err(new, enew) <= DECODE_TOL[state_dtype]
@@ -365,10 +352,10 @@ def test_unpadded_out_of_bounds_loads_are_poisoned():
     assert torch.equal(z, torch.tensor([8.0, 9.0, 0.0, 0.0]))
 
 
-# ---- backward kernels (m2ops/kernels/launch_bwd.py) ----
+# ---- backward kernels (m2ops/kernels/backward.py) ----
 
 # Gradients: products with the float32 cotangents run in tf32 (u = 2^-11), for bfloat16 inputs in bfloat16 with
-# the weighted operands rounded (u = 2^-8, launch_bwd LOWP), and g_x / g_B / g_dt are rounded to their inputs'
+# the weighted operands rounded (u = 2^-8, backward.py's LOWP), and g_x / g_B / g_dt are rounded to their inputs'
 # dtypes (2^-11 float16, 2^-8 bfloat16): normwise errors average below those.
 BWD_TOL = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 CUMSUM_BWD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -382,7 +369,7 @@ def _cotangent(t, gen):
 @SWEEP
 def test_backward_kernels(kw):
     """chunk_cumsum_bwd and fwd_pass_state_bwd against the reference backward formulas."""
-    from m2ops.kernels import launch_bwd
+    from m2ops.kernels import backward
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(**kw)
     _, fin_ref, _, mid = reference_forward(case)
@@ -392,7 +379,7 @@ def test_backward_kernels(kw):
             case["dt_bias"], case["chunk_size"], case["dt_softplus"], float(lo), float(hi))
     want = ref_bwd.chunk_cumsum_bwd(*args)
     with emulated_kernels():
-        got = launch_bwd.chunk_cumsum_bwd(*args)
+        got = backward.chunk_cumsum_bwd(*args)
     _assert_no_aliasing(args, got)
     # g_A and g_dt_bias are one float32 sum per head over every token, whose random-signed terms cancel: 1e-4.
     for name, a, b, tol in zip(("g_dt", "g_A", "g_dt_bias"), got, want,
@@ -404,10 +391,10 @@ def test_backward_kernels(kw):
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
     with emulated_kernels():
-        got = launch_bwd.fwd_pass_state_bwd(*args)
+        got = backward.fwd_pass_state_bwd(*args)
         # given the entering states and another op's g_x to add (as chunk_scan's backward passes them)
         base = _cotangent(case["x"], gen).to(case["x"].dtype)
-        got_given = launch_bwd.fwd_pass_state_bwd(*args, mid["states"], base)
+        got_given = backward.fwd_pass_state_bwd(*args, mid["states"], base)
     _assert_no_aliasing(args, got)
     _assert_no_aliasing((*args, base), got_given)
     dtype = case["x"].dtype
@@ -430,7 +417,7 @@ def _assert_no_aliasing(args, outputs):
 def test_backward_kernels_with_mixed_input_dtypes():
     """x in float16 with B and C in bfloat16 (the kernels compute in their promotion, float32): every gradient
     of fwd_pass_state_bwd and compute_out_bwd comes back in the dtype the reference gives, within tolerance."""
-    from m2ops.kernels import launch_bwd
+    from m2ops.kernels import backward
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(seqlen=200, nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, dtype=torch.float16,
                      initial_states=True, D="h", z=True, device="cpu", seed=5)
@@ -444,7 +431,7 @@ def test_backward_kernels_with_mixed_input_dtypes():
     for fn, args in (("fwd_pass_state_bwd", state_args), ("compute_out_bwd", out_args)):
         want = getattr(ref_bwd, fn)(*args)
         with emulated_kernels():
-            got = getattr(launch_bwd, fn)(*args)
+            got = getattr(backward, fn)(*args)
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape and a.dtype == b.dtype, (fn, i, a.dtype, b.dtype)
             assert rel_err(a, b) <= BWD_TOL[torch.float16], f"{fn} output {i}: {rel_err(a, b):.3e}"
@@ -469,14 +456,18 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
     tests/gpu/test_backward_kernels.py)."""
     from m2ops import mamba_chunk_scan_combined
     from m2ops.ops import eager
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", not split)
+    knobs(monkeypatch, segments=not split)
     case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=11, **opts)
     gen = torch.Generator().manual_seed(11)
     recomputes = []
-    real_fps = launch.fwd_pass_state
-    monkeypatch.setattr(launch, "fwd_pass_state", lambda *a, **k: recomputes.append(1) or real_fps(*a, **k))
+    real_fps = forward.fwd_pass_state
+
+    def counted(*a, **k):
+        recomputes.append(1)
+        return real_fps(*a, **k)
     from m2ops import kernels
-    monkeypatch.setattr(kernels, "fwd_pass_state", launch.fwd_pass_state)
+    monkeypatch.setattr(scan, "fwd_pass_state", counted)  # the forward's two-op path
+    monkeypatch.setattr(kernels, "fwd_pass_state", counted)  # the eager backward's recompute
 
     def direct(a):
         with emulated_kernels():
@@ -538,21 +529,21 @@ def test_eager_path_matches_reference(opts, split, monkeypatch):
 
 def test_eager_training_on_super_chunks(monkeypatch):
     """A training call whose chunk_scan configuration runs on chunks of 256 for the caller's 64 (the tuning
-    candidate launch.SUPER_CHUNK): y and the final state within rounding of the caller's chunking, and the
+    candidate scan.SUPER_CHUNK): y and the final state within rounding of the caller's chunking, and the
     backward, which cannot reuse states kept at another chunk size, recomputes them at the caller's: every
     gradient is bit for bit that of the default configuration without kept states."""
     from m2ops.ops import eager
     case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=5,
                      dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300)
     gen = torch.Generator().manual_seed(5)
-    blk = launch.forward_state_block()
-    real_configs = launch._kept_scan_configs
+    blk = specialise.forward_state_block()
+    real_configs = scan.kept_scan_configs
     cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
            torch.randn(case["initial_states"].shape, generator=gen))
 
     def run(config, keep):
         monkeypatch.setattr(eager, "KEEP_STATES", keep)
-        monkeypatch.setattr(launch, "_kept_scan_configs",
+        monkeypatch.setattr(scan, "kept_scan_configs",
                             (lambda *a: (config, [])) if config else real_configs)
         leaves = {k: case[k].detach().requires_grad_() for k in EAGER_LEAVES if case[k] is not None}
         a = {**case, **leaves}
@@ -563,13 +554,13 @@ def test_eager_training_on_super_chunks(monkeypatch):
         return y, fin, leaves
 
     chunks = []
-    real_rechunk = launch.rechunk
-    monkeypatch.setattr(launch, "rechunk", lambda dt, cs, chunk, T: chunks.append(chunk) or real_rechunk(dt, cs,
+    real_rechunk = scan.rechunk
+    monkeypatch.setattr(scan, "rechunk", lambda dt, cs, chunk, T: chunks.append(chunk) or real_rechunk(dt, cs,
                                                                                                        chunk, T))
-    y, fin, leaves = run({"path": "split", "state_block": blk, "chunk": launch.SUPER_CHUNK}, True)
-    assert chunks == [launch.SUPER_CHUNK]
+    y, fin, leaves = run({"path": "split", "state_block": blk, "chunk": scan.SUPER_CHUNK}, True)
+    assert chunks == [scan.SUPER_CHUNK]
     y0, fin0, leaves0 = run(None, False)
-    assert chunks == [launch.SUPER_CHUNK]
+    assert chunks == [scan.SUPER_CHUNK]
     assert rel_err(y, y0) <= 2e-2 and rel_err(fin, fin0) <= 2e-2  # another chunking: rounding apart
     for name in leaves:
         assert torch.equal(leaves[name].grad, leaves0[name].grad), name
@@ -578,19 +569,20 @@ def test_eager_training_on_super_chunks(monkeypatch):
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 def test_public_call_runs_long_sequences_on_super_chunks(monkeypatch, train):
     """The public function, where the kernels serve it, runs a caller's chunk of 64 on long sequences at
-    launch.SUPER_CHUNK from chunk_cumsum on (ops.dispatch.kernel_chunk_size): the same bits, y, final state and
-    every gradient, as the eager path called at that chunk size, and nothing re-cut (launch.rechunk unused);
+    scan.SUPER_CHUNK from chunk_cumsum on (ops.dispatch.kernel_chunk_size): the same bits, y, final state and
+    every gradient, as the eager path called at that chunk size, and nothing re-cut (scan.rechunk unused);
     within rounding of the reference at the caller's chunk. The threshold is lowered to this test's 300
     tokens; the CUDA path runs on CPU tensors through the emulator."""
     from m2ops import mamba_chunk_scan_combined
     from m2ops.ops import dispatch, eager
     case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, device="cpu", seed=7,
                      dtype=torch.bfloat16, D="h", z=True, initial_states=True, seqlen=300)
-    monkeypatch.setattr(launch, "SUPER_CHUNK_DEFAULT_SEQLEN", 300)
+    knobs(monkeypatch, super_chunk_min_seqlen=300)
     monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: True)
-    monkeypatch.setattr(eager, "applies", lambda *t: eager.context_allows(t))  # the CUDA path on CPU tensors
-    monkeypatch.setattr(launch, "rechunk", lambda *a: pytest.fail("rechunk ran"))
-    assert dispatch.kernel_chunk_size(64, 300, case["x"].device) == launch.SUPER_CHUNK
+    monkeypatch.setattr(eager, "applies",  # the CUDA path on CPU tensors
+                        lambda run_chunk, deciding, others: eager.context_allows(deciding + others))
+    monkeypatch.setattr(scan, "rechunk", lambda *a: pytest.fail("rechunk ran"))
+    assert dispatch.kernel_chunk_size(64, 300, case["x"].device) == scan.SUPER_CHUNK
     gen = torch.Generator().manual_seed(7)
     cot = (torch.randn(case["x"].shape, generator=gen).to(torch.bfloat16),
            torch.randn(case["initial_states"].shape, generator=gen))
@@ -604,7 +596,7 @@ def test_public_call_runs_long_sequences_on_super_chunks(monkeypatch, train):
                                                    dt_bias=a["dt_bias"], initial_states=a["initial_states"],
                                                    dt_softplus=True, return_final_states=True)
             else:
-                y, fin = eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], launch.SUPER_CHUNK, a["D"],
+                y, fin = eager.scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], scan.SUPER_CHUNK, a["D"],
                                              a["z"], a["dt_bias"], a["initial_states"], None, True, 0.0,
                                              float("inf"))
             if train:
@@ -615,7 +607,7 @@ def test_public_call_runs_long_sequences_on_super_chunks(monkeypatch, train):
     real_scan = eager.scan_combined
     monkeypatch.setattr(eager, "scan_combined", lambda *a: chunks.append(a[5]) or real_scan(*a))
     y, fin, leaves = run(True)
-    assert chunks == [launch.SUPER_CHUNK]  # the eager path, given the chunk size it runs at
+    assert chunks == [scan.SUPER_CHUNK]  # the eager path, given the chunk size it runs at
     y1, fin1, leaves1 = run(False)
     assert torch.equal(y, y1) and torch.equal(fin, fin1)
     for name in leaves:
@@ -651,7 +643,7 @@ def test_eager_path_yields_to_compile_modes_and_subclasses():
     from m2ops.ops import eager
     x = torch.randn(2, 3)
     assert eager.context_allows((x, None, torch.nn.Parameter(torch.randn(3))))
-    assert not eager.applies(x)  # a CPU tensor: the ops (reference) serve it
+    assert not eager.applies(64, (x,), ())  # a CPU tensor: the ops (reference) serve it
 
     class Passthrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -676,7 +668,7 @@ def test_eager_path_yields_to_compile_modes_and_subclasses():
 @SWEEP
 def test_compute_out_backward_kernels(kw):
     """compute_out_bwd (every gradient, D and z included) against the reference backward formulas."""
-    from m2ops.kernels import launch_bwd
+    from m2ops.kernels import backward
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(**kw)
     y_ref, _, _, mid = reference_forward(case)
@@ -686,35 +678,12 @@ def test_compute_out_backward_kernels(kw):
             case["z"], case["seq_idx"])
     want = ref_bwd.compute_out_bwd(*args)
     with emulated_kernels():
-        got = launch_bwd.compute_out_bwd(*args)
+        got = backward.compute_out_bwd(*args)
     _assert_no_aliasing(args, got)
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
-
-
-@pytest.mark.parametrize("programs_per_sm,seq_idx", [(4, True), (10_000, False)])
-def test_dcbw_prefetch_gives_the_same_gradients(monkeypatch, programs_per_sm, seq_idx):
-    """launch_bwd.DCBW_PREFETCH (an experiment, off): out_bwd_dcbw with the next head's tiles loaded ahead forms
-    the same products in the same order, so every gradient of compute_out_bwd is the same bits; with one
-    program for all of a group's heads and with the heads split over several (DCBW_PROGRAMS_PER_SM), and
-    headdim 80 (two headdim tiles, the second loaded as before)."""
-    from m2ops.kernels import launch_bwd
-    case = make_case(dtype=torch.bfloat16, device="cpu", chunk_size=128, seqlen=260, nheads=6, ngroups=2,
-                     headdim=80, dstate=16, D="h", seq_idx=seq_idx, nseqs=3, seed=13)
-    y_ref, _, _, mid = reference_forward(case)
-    gen = torch.Generator().manual_seed(13)
-    g_y = torch.randn(y_ref.shape, generator=gen).to(y_ref.dtype)
-    args = (g_y, case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"],
-            None, case["seq_idx"])
-    monkeypatch.setattr(launch_bwd, "DCBW_PROGRAMS_PER_SM", programs_per_sm)
-    with emulated_kernels(sm_count=1):
-        plain = launch_bwd.compute_out_bwd(*args)
-        monkeypatch.setattr(launch_bwd, "DCBW_PREFETCH", True)
-        ahead = launch_bwd.compute_out_bwd(*args)
-    for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D"), ahead, plain):
-        assert torch.equal(a, b), name
 
 
 def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
@@ -726,7 +695,7 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
     autotune.forget()
     timed = []
-    real_with = launch._chunk_scan_with
+    real_with = scan.chunk_scan_with
 
     def recording_with(cfg, *a):
         timed.append(cfg)
@@ -736,10 +705,10 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
         fn()
         return 1.0 if timed[-1] == {"path": "fused", "ppsm": 8} else 2.0
 
-    monkeypatch.setattr(launch, "_chunk_scan_with", recording_with)
-    monkeypatch.setattr(launch, "_tuned", lambda x: True)
-    monkeypatch.setattr(launch, "_can_search", lambda: True)
-    monkeypatch.setattr(launch, "median_ms", fake_ms)
+    monkeypatch.setattr(scan, "chunk_scan_with", recording_with)
+    monkeypatch.setattr(scan, "tuned", lambda x: True)
+    monkeypatch.setattr(scan, "can_search", lambda: True)
+    monkeypatch.setattr(scan, "median_ms", fake_ms)
     monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
     case = make_case(seqlen=300, nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, dtype=torch.float32,
                      initial_states=True, D="h", device="cpu")
@@ -747,97 +716,54 @@ def test_chunk_scan_tuning_chooses_stores_and_reuses(monkeypatch, tmp_path):
     args = (case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"], case["initial_states"], case["D"],
             case["z"], case["seq_idx"])
     with emulated_kernels():
-        y, fin = launch.chunk_scan(*args)
+        y, fin = scan.chunk_scan(*args)
     _check(y, y_ref, "y", torch.float32, "y")
     _check(fin, fin_ref, "states", torch.float32, "final_states")
     stored = json.loads((tmp_path / "tuning.json").read_text())
     (entry,) = stored.values()
     # searched: the state_passing blocks, the fused path's four segment counts and chunks of 256
-    n_blocks = len(launch.STATE_BLOCKS)
+    n_blocks = len(common.STATE_BLOCKS)
     assert entry["config"] == {"path": "fused", "ppsm": 8} and entry["searched"] == n_blocks + 4 + 1
     autotune.forget()
     timed.clear()
     with emulated_kernels():
-        y2, _ = launch.chunk_scan(*args)
+        y2, _ = scan.chunk_scan(*args)
     assert timed == [{"path": "fused", "ppsm": 8}]  # read back from the file: only the call itself ran
     _check(y2, y_ref, "y", torch.float32, "y")
     # Where no search may run (CUDA-graph capture, compile, sync debug mode) the stored choice still applies.
     autotune.forget()
     timed.clear()
-    monkeypatch.setattr(launch, "_can_search", lambda: False)
+    monkeypatch.setattr(scan, "can_search", lambda: False)
     with emulated_kernels():
-        launch.chunk_scan(*args)
+        scan.chunk_scan(*args)
     assert timed == [{"path": "fused", "ppsm": 8}]
     autotune.forget()
 
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_compute_out_with_cb_in_bf16(monkeypatch, seq_idx):
-    """CB_IN_BF16 (C . B^T stored in bfloat16, the default) stays within the bfloat16 tolerance of y."""
-    monkeypatch.setattr(launch, "CB_IN_BF16", True)
+    """C . B^T stored in bfloat16 for bfloat16 activations: y stays within the bfloat16 tolerance."""
     case = _bf16_case(chunk_size=128, batch=2, seqlen=300, nheads=4, ngroups=2, headdim=16, dstate=64, D="h",
                       z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=7)
     y_ref, _, _, mid = reference_forward(case)
     with emulated_kernels():
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
+        y = forward.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
                                case["D"], case["z"], case["seq_idx"])
-    _check(y, y_ref, "y", torch.bfloat16, "y")
-
-
-@pytest.mark.parametrize("seq_idx", [False, True])
-def test_compute_out_with_128_row_blocks(monkeypatch, seq_idx):
-    """compute_out and chunk_cb with 128-row blocks at chunk 256 (a tests/gpu/variants_scan.py experiment): the
-    launcher's grid and C . B^T's blocks follow the constants' BL, and y stays within the bfloat16 tolerance."""
-    case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
-                      z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=17)
-    y_ref, _, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", False)  # the walk's row blocks (the carry has its own BL)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 128}})
-    with emulated_launches() as launches:
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
-                               case["D"], case["z"], case["seq_idx"])
-    _check(y, y_ref, "y", torch.bfloat16, "y")
-    # 600 tokens: 5 row blocks of 128; chunk_cb has 2 column blocks per row block, compute_out 2 heads x 1 tile
-    # BL: chunk_cb's third from the end (before TN and DIAG), compute_out's sixth from the end
-    blocks = [(name, grid[0], a[-3] if name == "chunk_cb_kernel" else a[-6]) for name, grid, a in launches]
-    assert blocks == [("chunk_cb_kernel", 10, 128), ("compute_out_kernel", 10, 128)]
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"compute_out": {"BL": 96}})
-    with pytest.raises(ValueError, match="row block 96 must divide the chunk size 256"):
-        launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"],
-                           case["D"], case["z"], case["seq_idx"])
-
-
-@pytest.mark.parametrize("dstate", [64, 128, 100])
-def test_wider_dstate_tiles(monkeypatch, dstate):
-    """chunk_state and compute_out with 128-wide dstate tiles (a tests/gpu/variants_scan.py experiment): the
-    launch grid and the unchecked-load rule follow the constants' TN (dstate 64 and 100: one partial tile)."""
-    case = _bf16_case(chunk_size=64, seqlen=128, nheads=2, headdim=64, dstate=dstate, D="h", initial_states=True,
-                      nseqs=1, seed=dstate)
-    y_ref, fin_ref, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"TN": 128}, "compute_out": {"TN": 128}})
-    with emulated_kernels():
-        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
-                                            case["initial_states"], None, None)
-        y = launch.compute_out(case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"],
-                               mid["states"], case["D"], None, None)
-    _check(st_, mid["states"], "states", torch.bfloat16, "states")
-    _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
     _check(y, y_ref, "y", torch.bfloat16, "y")
 
 
 @pytest.mark.parametrize("heads,ngroups,hb,seq_idx", [(4, 2, 2, True), (8, 1, 4, False), (6, 2, 2, False),
                                                      (6, 3, 4, False)])
 def test_chunk_state_heads_per_program(monkeypatch, heads, ngroups, hb, seq_idx):
-    """chunk_state with HB heads per program (a tests/gpu/variants_scan.py experiment): the local states
-    and the final state as with one head per program; where HB does not divide a group's heads (6 heads in
-    3 groups, HB 4) the launcher falls back to one."""
+    """chunk_state with HB heads per program (config's chunk_state_heads; the table takes 2 for bfloat16 at
+    chunk 256): the local states and the final state as with one head per program; where HB does not divide a
+    group's heads (6 heads in 3 groups, HB 4) the launcher falls back to one."""
     case = _bf16_case(chunk_size=64, batch=2, seqlen=150, nheads=heads, ngroups=ngroups, headdim=16, dstate=32,
                       initial_states=True, seq_idx=seq_idx, nseqs=2, seed=heads + hb)
     _, fin_ref, _, mid = reference_forward(case)
-    monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"chunk_state": {"HB": hb, "TP": 16, "TN": 32}})
-    monkeypatch.setattr(launch, "STATES_IN_BF16", False)
+    knobs(monkeypatch, chunk_state_heads=hb)
     with emulated_kernels():
-        st_, fin, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+        st_, fin, _ = forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                             case["initial_states"], case["seq_idx"], None)
     _check(st_, mid["states"], "states", torch.bfloat16, "states")
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
@@ -845,15 +771,14 @@ def test_chunk_state_heads_per_program(monkeypatch, heads, ngroups, hb, seq_idx)
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_local_states_in_bf16(monkeypatch, seq_idx):
-    """LOCAL_STATES_IN_BF16 (on by default): at chunk 256 chunk_state stores the local states in bfloat16 and
-    state_passing widens them; the final state and y stay within the bf16 tolerances."""
-    monkeypatch.setattr(launch, "LOCAL_STATES_IN_BF16", True)
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    """At chunk 256 with bfloat16 activations chunk_state stores the local states in bfloat16 and state_passing
+    widens them; the final state and y stay within the bf16 tolerances."""
+    knobs(monkeypatch, segments=False)
     case = _bf16_case(chunk_size=256, batch=1, seqlen=600, nheads=2, ngroups=1, headdim=16, dstate=32, D="h",
                       initial_states=True, seq_idx=seq_idx, nseqs=2, seed=5)
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_launches() as launches:
-        y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+        y, fin = scan.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                    case["initial_states"], case["D"], None, case["seq_idx"])[:2]
     assert [a[5].dtype for name, _, a in launches if name == "chunk_state_kernel"] == [torch.bfloat16]
     _check(fin, fin_ref, "states", torch.bfloat16, "final_states")
@@ -862,19 +787,18 @@ def test_local_states_in_bf16(monkeypatch, seq_idx):
 
 @pytest.mark.parametrize("seq_idx", [False, True])
 def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
-    """STATES_IN_BF16 (the default): state_passing writes the entering states to a separate bfloat16 array
-    (SEP), compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept
-    float32) within the states'."""
-    monkeypatch.setattr(launch, "STATES_IN_BF16", True)
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    """For bfloat16 activations state_passing writes the entering states to a separate bfloat16 array (SEP),
+    compute_out's bf16 state product reads them; y within the bf16 tolerance, the final state (kept float32)
+    within the states'."""
+    knobs(monkeypatch, segments=False)
     case = _bf16_case(chunk_size=64, batch=2, seqlen=200, nheads=4, ngroups=2, headdim=16, dstate=32, D="h",
                       z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=11)
     y_ref, fin_ref, _, mid = reference_forward(case)
     with emulated_kernels():
-        st_, _, _ = launch.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+        st_, _, _ = forward.fwd_pass_state(case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
                                           case["initial_states"], case["seq_idx"], None,
                                           entering_dtype=torch.bfloat16)
-        y, fin = launch.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
+        y, fin = scan.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                    case["initial_states"], case["D"], case["z"], case["seq_idx"])
     assert st_.dtype == torch.bfloat16
     _check(st_.float(), mid["states"], "states", torch.bfloat16, "entering states (bf16)")
@@ -883,16 +807,16 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
 
 
 @pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block,dstate", [
-    (torch.bfloat16, True, True, 256, 32), (torch.float32, False, False, None, 32),
+    (torch.bfloat16, True, True, 512, 64), (torch.float32, False, False, None, 32),
     (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])
 def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block, dstate):
-    """launch_bwd.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
+    """backward.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
     forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
-    walk, also from the forward's bfloat16 entering states (the eager path's). At dstate 32 the state has 512
-    elements: state_carry_grad's loop takes 2 full blocks, one (carry_block's choice) or one half past its end,
-    and the walk's block divides it (unchecked loads); at dstate 20 (320 elements) the walk's one block is
-    partial (checked loads)."""
-    from m2ops.kernels import launch_bwd
+    walk, also from the forward's bfloat16 entering states (the eager path's). state_carry_grad's loop takes 2
+    full blocks (dstate 64: 1024 elements in blocks of 512), one (carry_block's choice) or one half past its end
+    (512 elements in a block of 1024), and the walk's block divides the state (unchecked loads); at dstate 20 (320
+    elements) the walk's one block is partial (checked loads)."""
+    from m2ops.kernels import backward
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(dtype=dtype, device="cpu", chunk_size=64, seqlen=300, nheads=4, ngroups=2, headdim=16,
                      dstate=dstate, initial_states=True, seq_idx=seq_idx, nseqs=3, seed=21)
@@ -903,11 +827,11 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
     states = mid["states"].to(torch.bfloat16) if given_states else None
-    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", True)
-    if carry_block is not None:  # else launch_bwd.carry_block's choice
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", {"state_carry_grad": {"BLK": carry_block}})
+    knobs(monkeypatch, separate_carry_grad=True)
+    if carry_block is not None:  # else backward.carry_block's choice
+        monkeypatch.setattr(backward, "carry_block", lambda state_elems: carry_block)
     with emulated_launches() as launches:
-        got = launch_bwd.fwd_pass_state_bwd(*args, states)
+        got = backward.fwd_pass_state_bwd(*args, states)
     assert "state_carry_grad_kernel" in [name for name, _, _ in launches]
     # the walk's constants end its arguments: BLK, HAS_SEQ, GC, CHK (unchecked where the block divides the state)
     (walk_args,) = [a for name, _, a in launches if name == "state_passing_bwd_kernel"]
@@ -921,60 +845,41 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
 def test_separate_carry_grad_rule(monkeypatch):
     """gcarry leaves the walk for walk blocks up to SEPARATE_CARRY_MAX_BLOCK unless SEPARATE_CARRY_GRAD forces
     a way."""
-    from m2ops.kernels import launch_bwd
-    monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", None)
-    top = launch_bwd.SEPARATE_CARRY_MAX_BLOCK
-    assert launch_bwd.separate_carry_grad(top) and not launch_bwd.separate_carry_grad(2 * top)
-    assert [launch_bwd.carry_block(n) for n in (100, 512, 4096, 8192, 64 * 96)] == [512, 512, 4096, 4096, 4096]
+    from m2ops.kernels import backward
+    knobs(monkeypatch, separate_carry_grad=None)
+    top = backward.SEPARATE_CARRY_MAX_BLOCK
+    assert backward.separate_carry_grad(top) and not backward.separate_carry_grad(2 * top)
+    assert [backward.carry_block(n) for n in (100, 512, 4096, 8192, 64 * 96)] == [512, 512, 4096, 4096, 4096]
     for forced in (True, False):
-        monkeypatch.setattr(launch_bwd, "SEPARATE_CARRY_GRAD", forced)
-        assert launch_bwd.separate_carry_grad(top) is forced and launch_bwd.separate_carry_grad(2 * top) is forced
+        knobs(monkeypatch, separate_carry_grad=forced)
+        assert backward.separate_carry_grad(top) is forced and backward.separate_carry_grad(2 * top) is forced
 
 
-def _fused_planned_calls(kw, carry, hb, switches, shuffle_seed=None, launched=None):
-    """(launch names, [(y, final)] of two planned calls, (y, final) of the launchers) for a cases() draw without
-    seq_idx, with launch.<switch> set for the planned calls for each of switches (a name or a tuple), the output
-    kernel forced (carry) and chunk_state at hb heads a program (two heads are built for bfloat16 at chunk 256
-    only, so hb 2 takes those). launched: a list that receives the planned calls' (name, grid, args) launches."""
-    switches = (switches,) if isinstance(switches, str) else switches
+def _fused_planned_calls(kw, carry, hb):
+    """(launch names, [(y, final)] of two planned calls with FUSED_CUMSUM at any length, (y, final) of the
+    launchers) for a cases() draw without seq_idx, the output kernel forced (carry) and chunk_state at hb heads a
+    program (two heads are built for bfloat16 at chunk 256 only, so hb 2 takes those)."""
     kw.update(seq_idx=False, cu_seqlens=False, noncontig=False)
     if carry:
         kw.update(chunk_size=max(kw["chunk_size"], 128), dstate=min(kw["dstate"], 128))
     if hb == 2:
         kw.update(dtype=torch.bfloat16, chunk_size=256)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "SEGMENTS_OVERRIDE", False)
-        mp.setattr(launch, "OUT_CARRY_OVERRIDE", carry)
-        mp.setattr(launch, "CHUNK_STATE_HEADS", {("bfloat16", 256): (hb, None if hb == 1 else 2)})
-        mp.setattr(launch, "CHUNK_STATE_ONE_HEAD_MAX_DSTATE", 0)
-        # each switch alone, at any length (FUSED_CUMSUM is on by default, for short sequences)
-        mp.setattr(launch, "FUSED_CUMSUM", False)
-        mp.setattr(launch, "FUSED_CUMSUM_MAX_CHUNKS", 1 << 30)
+        knobs(mp, segments=False)
+        knobs(mp, out_carry=carry)
+        knobs(mp, chunk_state_heads=hb)
+        # the launchers' path first, then the fused launch at any length (by default only for short sequences)
+        knobs(mp, fused_cumsum=False)
+        knobs(mp, fused_cumsum_max_chunks=1 << 30)
         case = make_case(**kw)
         a = _forward_args(case)
-        with emulated_launches(shuffle_seed) as launches:
+        with emulated_launches() as launches:
             want = _launchers_forward(case)
-            for switch in switches:
-                mp.setattr(launch, switch, True)
+            knobs(mp, fused_cumsum=True)
             n0 = len(launches)
             # twice: the second call on the kept scratch, which the fused launch must write again
-            got = [launch.planned_forward(*a), launch.planned_forward(*a)]
-    if launched is not None:
-        launched += launches[n0:]
+            got = [planned.planned_forward(*a), planned.planned_forward(*a)]
     return [name for name, _, _ in launches[n0:]], got, want
-
-
-@given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
-@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_fused_cb(kw, carry, hb):
-    """FUSED_CB: the planned forward runs chunk_cb's programs in chunk_state's launch (chunk_state_cb_kernel) and
-    launches chunk_cb no more; the same bits as the launchers, with either output kernel (compute_out_carry reads
-    the diagonal blocks, the walk the whole triangle) and chunk_state at one or two heads a program."""
-    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, "FUSED_CB")
-    assert names.count("chunk_state_cb_kernel") == 2 and "chunk_cb_kernel" not in names, names
-    assert "chunk_state_kernel" not in names
-    for y, fin in got:
-        assert torch.equal(y, y0) and torch.equal(fin, fin0)
 
 
 @given(kw=cases(), carry=st.booleans(), hb=st.sampled_from([1, 2]))
@@ -984,119 +889,39 @@ def test_planned_forward_with_fused_cumsum(kw, carry, hb):
     (chunk_state_cumsum_cb_kernel) and chunk_cb's, and neither of those is launched; the same bits as the
     launchers, for dt in float32 or the activations' dtype, either output kernel, one or two heads a program."""
     kw.update(chunk_size=256)
-    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, "FUSED_CUMSUM")
+    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb)
     assert names.count("chunk_state_cumsum_cb_kernel") == 2, names
-    assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel", "chunk_state_cb_kernel"} & set(names)
+    assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel"} & set(names)
     for y, fin in got:
         assert torch.equal(y, y0) and torch.equal(fin, fin0)
-
-
-_FOUR_CHUNKS = dict(dtype=torch.bfloat16, chunk_size=256, batch=2, seqlen=1000, nheads=4, ngroups=1, headdim=80,
-                    dstate=100, dt_softplus=True, dt_bias=True, dt_limit=(0.0, float("inf")), D="h", z=True,
-                    initial_states=True, seq_idx=False, cu_seqlens=False, nseqs=1, noncontig=False, seed=11,
-                    dt_dtype=torch.float32, device="cpu")
-
-
-@given(kw=cases(), seqlen=st.integers(1, 1024), carry=st.booleans(), hb=st.sampled_from([1, 2]),
-       mode=st.sampled_from([(), ("FUSED_CB",), ("FUSED_CUMSUM",)]), by_head=st.booleans(),
-       seed=st.integers(0, 2 ** 16))
-@example(kw=_FOUR_CHUNKS, seqlen=1000, carry=False, hb=2, mode=("FUSED_CUMSUM",), by_head=False, seed=1)
-@example(kw=_FOUR_CHUNKS, seqlen=777, carry=False, hb=2, mode=("FUSED_CB",), by_head=True, seed=3)
-@example(kw=_FOUR_CHUNKS, seqlen=1024, carry=True, hb=1, mode=(), by_head=False, seed=2)
-@settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, derandomize=True)
-def test_planned_forward_with_fused_pass(kw, seqlen, carry, hb, mode, by_head, seed):
-    """FUSED_PASS (bfloat16, chunk 256, up to four chunks): the planned forward's chunk_state launch also does
-    state_passing's work (chunk_state_pass_kernel: the last of each state tile's programs walks its chunks, the
-    whole tile or, FUSED_PASS_BY_HEAD, a head at a time), alone or with FUSED_CB / FUSED_CUMSUM's work, and
-    state_passing is not launched; the launchers' bits. The programs run in a shuffled order, so the walk is done
-    by programs of any chunk, and the counters are left at zero."""
-    kw.update(seqlen=seqlen, dtype=torch.bfloat16, chunk_size=256)
-    launched = []
-    switches = ("FUSED_PASS", *mode) + (("FUSED_PASS_BY_HEAD",) if by_head else ())
-    names, got, (y0, fin0) = _fused_planned_calls(kw, carry, hb, switches, seed, launched)
-    assert names.count("chunk_state_pass_kernel") == 2, names
-    gone = {"state_passing_kernel", "chunk_state_kernel", "chunk_state_cb_kernel", "chunk_state_cumsum_cb_kernel"}
-    gone |= {"FUSED_CB": {"chunk_cb_kernel"}, "FUSED_CUMSUM": {"chunk_cb_kernel", "chunk_cumsum_kernel"}}.get(
-        mode[0] if mode else None, set())
-    assert not gone & set(names), names
-    for name, grid, args in launched:
-        if name == "chunk_state_pass_kernel":
-            counters = args[13]
-            assert counters.dtype == torch.int32 and not counters.any()
-            cb, cumsum, hw = args[-3:]
-            assert (cb, cumsum, hw) == (bool(mode), mode == ("FUSED_CUMSUM",), 1 if by_head else args[-4])
-    for y, fin in got:
-        assert torch.equal(y, y0) and torch.equal(fin, fin0)
-
-
-def test_fused_pass_only_for_short_sequences(monkeypatch):
-    """FUSED_PASS leaves state_passing its launch past FUSED_PASS_MAX_CHUNKS chunks, at other chunk sizes and for
-    other dtypes (where the planned forward has no bfloat16 entering states); the launchers' bits everywhere."""
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    for seqlen, chunk, dtype, fused in ((1024, 256, torch.bfloat16, True), (1025, 256, torch.bfloat16, False),
-                                        (256, 128, torch.bfloat16, False), (512, 256, torch.float16, False)):
-        monkeypatch.setattr(launch, "FUSED_PASS", True)
-        case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=seqlen, chunk_size=chunk, device="cpu",
-                         seed=5, dtype=dtype, initial_states=True)
-        with emulated_launches() as launches:
-            y0, fin0 = _launchers_forward(case)
-            n0 = len(launches)
-            y1, fin1 = launch.planned_forward(*_forward_args(case))
-        names = [name for name, _, _ in launches[n0:]]
-        assert ("chunk_state_pass_kernel" in names) == fused and ("state_passing_kernel" in names) != fused, names
-        assert torch.equal(y1, y0) and torch.equal(fin1, fin0)
-    launch.clear_plans()
 
 
 def test_fused_cumsum_by_default_for_short_sequences_where_built(monkeypatch):
     """By default (FUSED_CUMSUM, up to FUSED_CUMSUM_MAX_CHUNKS chunks) the planned forward does chunk_cumsum's and
     chunk_cb's work in chunk_state's launch; past that many chunks, at a chunk size it is not built for or with dt
-    in a third dtype, chunk_cumsum keeps its launch: with FUSED_CB the cb fusion alone, without it the separate
-    launches. The launchers' bits everywhere."""
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    most = launch.FUSED_CUMSUM_MAX_CHUNKS * 256
+    in a third dtype, chunk_cumsum and chunk_cb keep their launches. The launchers' bits everywhere."""
+    knobs(monkeypatch, segments=False)
+    most = config.current().fused_cumsum_max_chunks * 256
     # dt_dtype None: dt in the activations' dtype (bfloat16)
-    for seqlen, chunk, dt_dtype, cb, fused in ((most, 256, None, False, "chunk_state_cumsum_cb_kernel"),
-                                               (300, 256, torch.float32, False, "chunk_state_cumsum_cb_kernel"),
-                                               (most + 1, 256, None, False, None),
-                                               (most + 1, 256, None, True, "chunk_state_cb_kernel"),
-                                               (300, 64, None, False, None),
-                                               (300, 64, None, True, "chunk_state_cb_kernel"),
-                                               (300, 256, torch.float16, False, None)):
-        monkeypatch.setattr(launch, "FUSED_CB", cb)
+    for seqlen, chunk, dt_dtype, fused in ((most, 256, None, True), (300, 256, torch.float32, True),
+                                           (most + 1, 256, None, False), (300, 64, None, False),
+                                           (300, 256, torch.float16, False)):
         case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=seqlen, chunk_size=chunk, device="cpu",
                          seed=4, dtype=torch.bfloat16, dt_dtype=dt_dtype)
         with emulated_launches() as launches:
             y0, fin0 = _launchers_forward(case)
             n0 = len(launches)
-            y1, fin1 = launch.planned_forward(*_forward_args(case))
+            y1, fin1 = planned.planned_forward(*_forward_args(case))
         names = [name for name, _, _ in launches[n0:]]
-        if fused == "chunk_state_cumsum_cb_kernel":
+        if fused:
+            assert "chunk_state_cumsum_cb_kernel" in names, names
             assert not {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel"} & set(names), names
         else:
-            assert "chunk_cumsum_kernel" in names and "chunk_state_cumsum_cb_kernel" not in names, names
-            assert ("chunk_cb_kernel" in names) == (fused is None)
-        assert (fused or "chunk_state_kernel") in names, names
+            assert {"chunk_cumsum_kernel", "chunk_cb_kernel", "chunk_state_kernel"} <= set(names), names
+            assert "chunk_state_cumsum_cb_kernel" not in names, names
         assert torch.equal(y1, y0) and torch.equal(fin1, fin0)
-    launch.clear_plans()
+    runtime.clear_plans()
 
-
-def test_fused_cb_needs_the_plan_without_overrides(monkeypatch):
-    """The fused launch is the planned forward's alone: with FUSED_CB off, or on the launchers' path (a profiling
-    override set), chunk_cb keeps its own launch."""
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, seqlen=200, chunk_size=64, device="cpu", seed=3)
-    a = _forward_args(case)
-    for fused, override in ((False, {}), (True, {"compute_out": {"CHK": True}})):
-        monkeypatch.setattr(launch, "FUSED_CB", fused)
-        monkeypatch.setattr(launch, "CONSTANT_OVERRIDE", override)
-        with emulated_launches() as launches:
-            out = launch.planned_forward(*a)
-            if out is None:
-                _launchers_forward(case)
-        names = [name for name, _, _ in launches]
-        assert "chunk_cb_kernel" in names and "chunk_state_cb_kernel" not in names, (fused, names)
-    launch.clear_plans()
 
 
 def test_every_launch_above_is_a_compiled_specialisation():
@@ -1123,16 +948,16 @@ def _forward_args(case):
 def _launchers_forward(case):
     """chunk_cumsum then chunk_scan, launcher by launcher (the path a ForwardPlan stands in for)."""
     x, dt, A, B, C, L, D, z, bias, init, softplus, dt_min, dt_max = _forward_args(case)
-    dt_out, cs = launch.chunk_cumsum(dt, A, bias, L, softplus, dt_min, dt_max)
-    return launch.chunk_scan(x, dt_out, cs, B, C, init, D, z, None)
+    dt_out, cs = forward.chunk_cumsum(dt, A, bias, L, softplus, dt_min, dt_max)
+    return scan.chunk_scan(x, dt_out, cs, B, C, init, D, z, None)
 
 
 def _launchers_forward_at(case, chunk):
     """chunk_cumsum and chunk_scan's two-op path (state block 512) called at `chunk`: what a ForwardPlan made for a
     configuration at that chunk size runs."""
     x, dt, A, B, C, _, D, z, bias, init, softplus, dt_min, dt_max = _forward_args(case)
-    dt_out, cs = launch.chunk_cumsum(dt, A, bias, chunk, softplus, dt_min, dt_max)
-    return launch._chunk_scan_with({"path": "split", "state_block": 512}, x, dt_out, cs, B, C, init, D, z, None)
+    dt_out, cs = forward.chunk_cumsum(dt, A, bias, chunk, softplus, dt_min, dt_max)
+    return scan.chunk_scan_with({"path": "split", "state_block": 512}, x, dt_out, cs, B, C, init, D, z, None)
 
 
 @pytest.mark.parametrize("opts", [
@@ -1142,21 +967,21 @@ def _launchers_forward_at(case, chunk):
     dict(dtype=torch.float32, z=True, initial_states=True, seqlen=64, chunk_size=64, batch=2),
 ])
 def test_planned_forward_gives_the_launchers_bits(monkeypatch, opts):
-    """launch.planned_forward (the eager forward without gradients, planned once per signature) runs the same
+    """planned.planned_forward (the eager forward without gradients, planned once per signature) runs the same
     kernels on the same buffers as chunk_cumsum then chunk_scan: the same bits. The plan is made on the first call
     and reused on the second, and the public path's no-grad branch (eager.scan_combined) takes it."""
     from m2ops.ops import eager
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    knobs(monkeypatch, segments=False)
     case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, device="cpu", seed=5, **opts)
     built, ran = [], []
-    real_plan, real_run = launch.forward_plan, launch.run_forward
-    monkeypatch.setattr(launch, "forward_plan", lambda *a: built.append(1) or real_plan(*a))
-    monkeypatch.setattr(launch, "run_forward", lambda *a: ran.append(1) or real_run(*a))
+    real_plan, real_run = planned.forward_plan, planned.run_forward
+    monkeypatch.setattr(planned, "forward_plan", lambda *a: built.append(1) or real_plan(*a))
+    monkeypatch.setattr(planned, "run_forward", lambda *a: ran.append(1) or real_run(*a))
     a = _forward_args(case)
     with emulated_kernels():
         y0, fin0 = _launchers_forward(case)
-        y1, fin1 = launch.planned_forward(*a)
-        y2, fin2 = launch.planned_forward(*a)
+        y1, fin1 = planned.planned_forward(*a)
+        y2, fin2 = planned.planned_forward(*a)
         with torch.no_grad():
             x, dt, A, B, C, L, D, z, bias, init, softplus, dt_min, dt_max = a
             y3, fin3 = eager.scan_combined(x, dt, A, B, C, L, D, z, bias, init, None, softplus, dt_min, dt_max)
@@ -1182,12 +1007,12 @@ def _call_key_args(case, **changes):
 def test_remembered_call_runs_the_kept_plan(monkeypatch):
     """A plan planned_forward ran for a public call is kept under the call's key (eager.call_key), and
     eager.remembered_call runs it for the next call with that key: the launchers' bits. It declines (None) where
-    something besides the arguments is not as it was: gradients wanted, the profiler, a function mode, a
-    profiling override, a changed tuning-cache entry. call_key is None for the calls that are never kept and while
+    something besides the arguments is not as it was: gradients wanted, the profiler, a function mode, a changed
+    tuning-cache entry (a changed knob is part of the key). call_key is None for the calls that are never kept and while
     nothing is kept; it differs where an argument's type, size, dtype or layout differs."""
     from m2ops.ops import eager
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
-    launch.clear_plans()
+    knobs(monkeypatch, segments=False)
+    runtime.clear_plans()
     case = make_case(nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=64, seqlen=130, dtype=torch.bfloat16,
                      D="h", z=True, initial_states=True, device="cpu", seed=11)
     kw = _call_key_args(case)
@@ -1197,8 +1022,8 @@ def test_remembered_call_runs_the_kept_plan(monkeypatch):
     tensors = (kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["dt_bias"], kw["initial_states"])
     with emulated_kernels():
         y0, fin0 = _launchers_forward(case)
-        y1, fin1 = launch.planned_forward(*a, call_key=key)
-        assert launch.CALL_PLANS.get(key) is not None and eager.call_key(**kw) == key
+        y1, fin1 = planned.planned_forward(*a, call_key=key)
+        assert planned.CALL_PLANS.get(key) is not None and eager.call_key(**kw) == key
         y2, fin2 = eager.remembered_call(key, *tensors)
         assert torch.equal(y1, y0) and torch.equal(fin1, fin0) and torch.equal(y2, y0) and torch.equal(fin2, fin0)
 
@@ -1214,10 +1039,10 @@ def test_remembered_call_runs_the_kept_plan(monkeypatch):
                 return func(*args, **(kwargs or {}))
         with Mode():
             assert eager.remembered_call(key, *tensors) is None
-        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 512)
-        assert eager.remembered_call(key, *tensors) is None
-        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", None)
-        monkeypatch.setattr(launch, "forward_plan_current", lambda fp: False)  # the tuning entry changed
+        with config.override(state_block=1024):  # a knob is part of the key: the kept plan is not this call's
+            other = eager.call_key(**kw)
+            assert other != key and eager.remembered_call(other, *tensors) is None
+        monkeypatch.setattr(planned, "forward_plan_current", lambda fp: False)  # the tuning entry changed
         assert eager.remembered_call(key, *tensors) is None
     monkeypatch.undo()
 
@@ -1233,32 +1058,34 @@ def test_remembered_call_runs_the_kept_plan(monkeypatch):
                    dict(return_final_states=False), dict(D=None), dict(A=torch.nn.Parameter(kw["A"]))):
         other = eager.call_key(**_call_key_args(case, **change), first=True)
         assert other is not None and other != key, change
-    assert not launch.CALL_PLANS  # the emulator's exit cleared every plan
+    assert not planned.CALL_PLANS  # the emulator's exit cleared every plan
 
 
 def test_planned_forward_leaves_other_calls_to_the_launchers(monkeypatch):
     """No plan runs where the launchers would convert an input, where the configuration is the fused path, under
-    the profiler or a profiling override, or for a non-contiguous input; the launchers' results are the same."""
-    monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", False)
+    the profiler, or for a non-contiguous input; the launchers' results are the same. A changed knob gets a plan of
+    its own."""
+    knobs(monkeypatch, segments=False)
     case = make_case(nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, seqlen=100, dtype=torch.bfloat16,
                      D="h", device="cpu", seed=3)
     with emulated_kernels():
-        assert launch.planned_forward(*_forward_args(case)) is not None
+        assert planned.planned_forward(*_forward_args(case)) is not None
         # C in another dtype than x: the launchers would promote; a plan without `out` is kept for the signature
         mixed = {**case, "C": case["C"].float()}
-        assert launch.planned_forward(*_forward_args(mixed)) is None
-        assert any(fp.out is None for fp in launch._FORWARD_PLANS.values())
+        assert planned.planned_forward(*_forward_args(mixed)) is None
+        assert any(fp.out is None for fp in planned.FORWARD_PLANS.values())
         # x transposed in memory: not contiguous
         xt = case["x"].transpose(1, 2).contiguous().transpose(1, 2)
-        assert launch.planned_forward(*_forward_args({**case, "x": xt})) is None
-        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", 512)
-        assert launch.planned_forward(*_forward_args(case)) is None
-        monkeypatch.setattr(launch, "STATE_BLOCK_OVERRIDE", None)
+        assert planned.planned_forward(*_forward_args({**case, "x": xt})) is None
+        kept = len(planned.FORWARD_PLANS)
+        with config.override(state_block=1024):
+            assert planned.planned_forward(*_forward_args(case)) is not None
+        assert len(planned.FORWARD_PLANS) == kept + 1
         with torch.autograd.profiler.profile():
-            assert launch.planned_forward(*_forward_args(case)) is None
+            assert planned.planned_forward(*_forward_args(case)) is None
         # the fused scan as the configuration (a knob of the signature: a new plan, without `out`)
-        monkeypatch.setattr(launch, "SEGMENTS_OVERRIDE", True)
-        assert launch.planned_forward(*_forward_args(case)) is None
+        knobs(monkeypatch, segments=True)
+        assert planned.planned_forward(*_forward_args(case)) is None
 
 
 def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
@@ -1270,41 +1097,46 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("M2OPS_TUNING_CACHE", str(path))
     monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
-    monkeypatch.setattr(launch, "_tuned", lambda x: True)
+    monkeypatch.setattr(scan, "tuned", lambda x: True)
     monkeypatch.setattr(autotune, "environment_key", lambda device_index=0: "test-gpu")
     autotune.forget()
     case = make_case(nheads=2, ngroups=1, headdim=16, dstate=32, chunk_size=64, seqlen=200, dtype=torch.bfloat16,
                      initial_states=True, device="cpu", seed=9)
     a = _forward_args(case)
-    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(case["x"], 64, case["B"], None, None, None))
+    # sub-chunks of 32 among the candidates (a stored configuration outside them is ignored)
+    monkeypatch.setattr(scan, "SUB_CHUNKS", (32, 64, 128))
+    shape_key = scan.chunk_scan_shape_key(case["x"], 64, case["B"], None, None, None)
 
     def store(config):
+        _, candidates = scan.kept_scan_configs(1, 200, 2, 16, 32, 64, case["x"].device)
+        assert config in candidates
+        key = autotune.full_key("chunk_scan", shape_key, candidates=candidates)
         path.write_text(json.dumps({key: {"config": config}}))
         autotune.forget()
 
     def plan_config():
-        (fp,) = launch._FORWARD_PLANS.values()
+        (fp,) = planned.FORWARD_PLANS.values()
         return fp.config if fp.out is not None else None
 
     try:
         with emulated_kernels():
-            assert launch.planned_forward(*a) is None and not launch._FORWARD_PLANS  # a search may run
+            assert planned.planned_forward(*a) is None and not planned.FORWARD_PLANS  # a search may run
             store({"path": "split", "state_block": 512})
-            y, fin = launch.planned_forward(*a)
+            y, fin = planned.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 512}
             store({"path": "split", "state_block": 1024})
-            y2, fin2 = launch.planned_forward(*a)
+            y2, fin2 = planned.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 1024}
             assert torch.equal(y, y2) and torch.equal(fin, fin2)  # the block only splits the same work
             # a sub-chunk configuration: planned at 32 throughout (chunk_cumsum included), with the bits of the
             # launchers called at 32, and within rounding of the launchers' own path under the same entry
             # (chunk_cumsum at 64, rechunked)
             store({"path": "split", "state_block": 512, "chunk": 32})
-            y3, fin3 = launch.planned_forward(*a)
+            y3, fin3 = planned.planned_forward(*a)
             assert plan_config() == {"path": "split", "state_block": 512, "chunk": 32}
-            (fp,) = launch._FORWARD_PLANS.values()
-            assert fp.states.states_shape[1] == launch.num_chunks(200, 32)
-            assert fp.cumsum_shape[2:] == (launch.num_chunks(200, 32), 32)
+            (fp,) = planned.FORWARD_PLANS.values()
+            assert fp.states.states_shape[1] == shapes.num_chunks(200, 32)
+            assert fp.cumsum_shape[2:] == (shapes.num_chunks(200, 32), 32)
             y4, fin4 = _launchers_forward_at(case, 32)
             assert torch.equal(y3, y4) and torch.equal(fin3, fin4)
             y4r, fin4r = _launchers_forward(case)
@@ -1312,8 +1144,8 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             assert rel_err(y3, y) <= 2e-2 and rel_err(fin3, fin) <= 2e-2  # another chunking: rounding apart
             # a super-chunk configuration likewise (chunk_cumsum at 256, not carried over from 64)
             store({"path": "split", "state_block": 512, "chunk": 256})
-            y5, fin5 = launch.planned_forward(*a)
-            (fp,) = launch._FORWARD_PLANS.values()
+            y5, fin5 = planned.planned_forward(*a)
+            (fp,) = planned.FORWARD_PLANS.values()
             assert fp.states.states_shape[1] == 1 and fp.cumsum_shape[2:] == (1, 256)
             y6, fin6 = _launchers_forward_at(case, 256)
             assert torch.equal(y5, y6) and torch.equal(fin5, fin6)
@@ -1322,14 +1154,14 @@ def test_planned_forward_follows_the_tuning_cache(monkeypatch, tmp_path):
             assert rel_err(y5, y6r) <= 5e-5 and rel_err(fin5, fin6r) <= 1e-5
             assert rel_err(y5, y) <= 2e-2 and rel_err(fin5, fin) <= 2e-2
             store({"path": "fused", "ppsm": 4})
-            assert launch.planned_forward(*a) is None and plan_config() is None
+            assert planned.planned_forward(*a) is None and plan_config() is None
             path.unlink()
             autotune.forget()
             monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
-            assert launch.planned_forward(*a) is not None
-            (fp,) = launch._FORWARD_PLANS.values()
+            assert planned.planned_forward(*a) is not None
+            (fp,) = planned.FORWARD_PLANS.values()
             assert fp.from_default
             monkeypatch.setenv("M2OPS_AUTOTUNE", "1")
-            assert launch.planned_forward(*a) is None and not launch._FORWARD_PLANS
+            assert planned.planned_forward(*a) is None and not planned.FORWARD_PLANS
     finally:
         autotune.forget()

@@ -174,23 +174,36 @@ def test_bad_inputs_name_the_argument(name, changes, kind):
         m2ops.selective_state_update(**inp, **kw)
 
 
-def test_cuda_dispatch_falls_back_without_kernel(monkeypatch):
-    """Where the cuTile kernels are usable but m2ops.kernels has no state_update yet, the CUDA implementation
-    runs the reference (after a warning) instead of failing. Exercised on CPU tensors by forcing the check."""
+def test_kernels_serve_is_the_one_decision(monkeypatch):
+    """dispatch.kernels_serve decides kernels or reference from the device's availability, the chunk size and the
+    dtypes; an op's CUDA implementation runs its launcher exactly where it says so, else the reference (exercised
+    on CPU tensors by forcing the device's availability and standing in a launcher)."""
     import types
 
     from m2ops.ops import dispatch
     from m2ops.reference import state_update as ref
 
-    monkeypatch.setattr(dispatch, "use_kernels", lambda device: True)
-    monkeypatch.setitem(__import__("sys").modules, "m2ops.kernels", types.ModuleType("m2ops.kernels"))
-    monkeypatch.setattr(m2ops, "kernels", __import__("sys").modules["m2ops.kernels"], raising=False)
-    dispatch._warn_no_kernel.cache_clear()
-    inp = decode_inputs(D="h", z=True, dt_bias=True)
-    args = (inp["state"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"],
-            True, 0.0, INF)
-    impl = dispatch.cuda_impl("state_update", ref.state_update)
-    with pytest.warns(RuntimeWarning, match="state_update has no cuTile kernel"):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: device_type == "cuda")
+    bf, f64 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.float64)
+    assert dispatch.kernels_serve(cuda, 64, (bf, None)) and dispatch.kernels_serve(cuda, None, (bf,))
+    assert not dispatch.kernels_serve(cuda, 48, (bf,))  # a chunk size without kernels
+    assert not dispatch.kernels_serve(cuda, 64, (bf, f64))  # float64
+    assert not dispatch.kernels_serve(torch.device("cpu"), 64, (bf,))
+
+    launched = []
+    fake = types.ModuleType("m2ops.kernels")
+    fake.state_update = lambda *a: launched.append(a) or ref.state_update(*a)
+    monkeypatch.setitem(__import__("sys").modules, "m2ops.kernels", fake)
+    monkeypatch.setattr(m2ops, "kernels", fake, raising=False)
+    monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: True)  # the CPU tensors "served"
+    impl = dispatch.cuda_impl("state_update", ref.state_update, lambda state, x, *_: (None, (state, x), True))
+    for dtype, served in ((torch.float32, True), (torch.float64, False)):
+        inp = decode_inputs(D="h", z=True, dt_bias=True)
+        args = (inp["state"].to(dtype), inp["x"].to(dtype), inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
+                inp["z"], inp["dt_bias"], True, 0.0, INF)
+        before = len(launched)
         got = impl(*args)
-    for a, b in zip(got, ref.state_update(*args)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert (len(launched) > before) is served
+        for a, b in zip(got, ref.state_update(*args)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -43,11 +43,11 @@ def check_raises(kwargs, exc, names):
 
 
 def check_raises_past_kept_plans(kwargs, exc, names):
-    """The same bad call, without seq_idx (the calls whose plans are kept), while launch.CALL_PLANS holds the keys
+    """The same bad call, without seq_idx (the calls whose plans are kept), while planned.CALL_PLANS holds the keys
     of valid calls that differ from it in one argument: its key (eager.call_key) must match none of them, so it
     never skips the checks that raise (eager.remembered_call, m2ops/ops/eager.py)."""
-    pytest.importorskip("cuda.tile", reason="the kept plans live in m2ops.kernels.launch")
-    from m2ops.kernels import launch
+    pytest.importorskip("cuda.tile", reason="the kept plans live in m2ops.kernels.planned")
+    from m2ops.kernels import planned
     from m2ops.ops import eager
     kept = {}
     for flag in (False, True):
@@ -58,9 +58,9 @@ def check_raises_past_kept_plans(kwargs, exc, names):
         key = eager.call_key(**call.arguments, first=True)
         assert key is not None
         kept[key] = "plan"
-    saved = dict(launch.CALL_PLANS)
-    launch.CALL_PLANS.clear()
-    launch.CALL_PLANS.update(kept)
+    saved = dict(planned.CALL_PLANS)
+    planned.CALL_PLANS.clear()
+    planned.CALL_PLANS.update(kept)
     real = eager.remembered_call
     try:
         def remembered(key, *args):
@@ -71,8 +71,8 @@ def check_raises_past_kept_plans(kwargs, exc, names):
             mamba_chunk_scan_combined(**kwargs)
     finally:
         eager.remembered_call = real
-        launch.CALL_PLANS.clear()
-        launch.CALL_PLANS.update(saved)
+        planned.CALL_PLANS.clear()
+        planned.CALL_PLANS.update(saved)
     assert type(info.value) is exc and first_named_argument(str(info.value)) in names, str(info.value)
 
 

@@ -10,17 +10,16 @@ cuda.tile the kernels use, implemented in PyTorch:
   out-of-bounds load shows up as NaN in its outputs instead of passing by luck.
   A load with check_bounds=False that reaches outside the array raises (undefined behaviour on a GPU).
 - ct.store writes the in-bounds part of the tile (like cuTile, which clips).
-- ct.atomic_add / ct.atomic_xchg on one element (scalar indices) return the old value; memory orders are
-  accepted and ignored, since programs run one at a time.
 - ct.mma(a, b, acc) = acc + a @ b in float32 (inputs already rounded to their dtype; tf32 rounding is
   applied where the kernel converts to ct.tfloat32).
 - tile.astype(dtype) is added to torch.Tensor while emulating.
 
 What it cannot find: compiler problems (those are the AOT compile test's job), races between programs (the
-programs run one after another, in grid order, or in a shuffled order under `shuffled_programs`), and speed.
+programs run one after another, in grid order), and speed.
 The result of a correct kernel matches the GPU's up to floating-point summation order.
 
-Use: `with emulated_kernels(): ...` runs every launch of m2ops.kernels.launch on the CPU tensors it is given.
+Use: `with emulated_kernels(): ...` runs every launch of the launchers (m2ops.kernels.runtime.launch) on the CPU
+tensors it is given.
 """
 
 from __future__ import annotations
@@ -57,12 +56,9 @@ class _Emu:
     tfloat32 = _TF32
     PaddingMode = real_ct.PaddingMode
     RoundingMode = real_ct.RoundingMode
-    MemoryOrder = real_ct.MemoryOrder
-    MemoryScope = real_ct.MemoryScope
 
     def __init__(self):
         self.bids = (0, 0, 0)
-        self.shuffle = None  # a random.Random: each launch's programs run in an order it draws
 
     # ---- program ids ----
     def bid(self, axis):
@@ -112,25 +108,6 @@ class _Emu:
             dst.append(slice(lo, hi))
             src.append(slice(lo - o, hi - o))
         array[tuple(dst)] = tile[tuple(src)].to(array.dtype)
-
-    @staticmethod
-    def _element(array, indices):
-        indices = tuple(int(i) for i in (indices if isinstance(indices, tuple) else (indices,)))
-        if len(indices) != array.dim() or any(not 0 <= i < n for i, n in zip(indices, array.shape)):
-            raise IndexError(f"atomic at {indices} of an array of shape {tuple(array.shape)}")
-        return indices
-
-    def atomic_add(self, array, indices, update, **_):
-        at = self._element(array, indices)
-        old = array[at].clone()
-        array[at] += update
-        return old
-
-    def atomic_xchg(self, array, indices, update, **_):
-        at = self._element(array, indices)
-        old = array[at].clone()
-        array[at] = update
-        return old
 
     # Programmatic dependent launch: programs run one launch at a time here, so both are no-ops.
     @staticmethod
@@ -221,63 +198,48 @@ class _Emu:
 
 
 def run(kernel, grid, args, emu: _Emu):
-    """Every program of grid (x, y, z) on the kernel's Python body: in grid order, or in an order emu.shuffle draws."""
+    """Every program of grid (x, y, z) on the kernel's Python body, in grid order."""
     fn = kernel._pyfunc
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    bids = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
-    if emu.shuffle is not None:
-        emu.shuffle.shuffle(bids)
-    for emu.bids in bids:
+    for emu.bids in [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]:
         fn(*args)
 
 
-# specs.launch_key of every launch run here without a profiling override (CONSTANT_OVERRIDE, HINT_OVERRIDE):
+# specs.launch_key of every launch run here (unless the config forces chunk_state's heads):
 # tests/test_kernels_emulated.py checks that each is a specialisation the compile test builds.
 LAUNCHED: set = set()
 
 
 def _record(kernel, args):
-    from m2ops.kernels import launch, specs
-    if not launch.CONSTANT_OVERRIDE and not launch.HINT_OVERRIDE:
+    from m2ops.kernels import config, specs
+    if config.current().chunk_state_heads is None:  # (a forced head count may launch builds the table has not)
         LAUNCHED.add(specs.launch_key(kernel, args))
 
 
 @contextlib.contextmanager
-def shuffled_programs(emu: _Emu, seed: int):
-    """Within the block, each launch's programs run in a random order (seeded): a kernel whose programs
-    communicate (an atomic count, launch.FUSED_PASS) must not depend on which finishes last."""
-    import random
-    emu.shuffle = random.Random(seed)
-    try:
-        yield
-    finally:
-        emu.shuffle = None
-
-
-@contextlib.contextmanager
 def emulated_kernels(sm_count: int = 132):
-    """Within the block, m2ops.kernels.launch launches run on the CPU through the emulator; _sm_count says
-    sm_count (the launchers size some grids by it)."""
-    from m2ops.kernels import launch
+    """Within the block, every launch (m2ops.kernels.runtime.launch) runs on the CPU through the emulator, and
+    runtime.sm_count says sm_count (the launchers size some grids by it)."""
+    from m2ops.kernels import runtime
     emu = _Emu()
     mods = [m for name, m in list(sys.modules.items())
             if name.startswith("m2ops.kernels.") and isinstance(m, types.ModuleType) and hasattr(m, "ct")]
     saved = {m: m.ct for m in mods}
-    saved_launch, saved_sm = launch._launch, launch._sm_count
+    saved_launch, saved_sm = runtime.launch, runtime.sm_count
     had_astype = hasattr(torch.Tensor, "astype")
     try:
         for m in mods:
             m.ct = emu
-        launch._launch = lambda grid, kernel, args, *_: (_record(kernel, args), run(kernel, grid, args, emu))
-        launch._sm_count = lambda device: sm_count
-        launch.clear_plans()  # (plans depend on the SM count)
+        runtime.launch = lambda grid, kernel, args, *_: (_record(kernel, args), run(kernel, grid, args, emu))
+        runtime.sm_count = lambda device: sm_count
+        runtime.clear_plans()  # (plans depend on the SM count)
         if not had_astype:
             torch.Tensor.astype = _astype
         yield emu
     finally:
         for m, v in saved.items():
             m.ct = v
-        launch._launch, launch._sm_count = saved_launch, saved_sm
-        launch.clear_plans()
+        runtime.launch, runtime.sm_count = saved_launch, saved_sm
+        runtime.clear_plans()
         if not had_astype:
             del torch.Tensor.astype

@@ -127,22 +127,21 @@ def _forward(peer, inputs, chunk_size):
 
 def m2ops_choice(inputs: dict, chunk_size: int) -> dict:
     """What an m2ops peer ran this point's forward with, read after its calls: chunk_scan's configuration (the
-    tuning cache's entry for this shape, else "default") and whether its eager calls took a plan (launch.CALL_PLANS
+    tuning cache's entry for this shape, else "default") and whether its eager calls took a plan (planned.CALL_PLANS
     holds one under the key of _forward's call; a worker serves several points, so other points' plans are there
     too)."""
-    from m2ops.kernels import autotune, launch
+    from m2ops.kernels import autotune, planned, scan
     from m2ops.ops import dispatch, eager
     x, dt, A, B, C, D, init = (inputs[k] for k in GRAD_INPUTS)
-    chunk = dispatch.kernel_chunk_size(chunk_size, x.shape[1], x.device)  # the chunk size the kernels ran at
-    key = autotune.full_key("chunk_scan", launch.chunk_scan_shape_key(x, chunk, B, None, D, None),
-                            x.device.index or 0)
-    found = autotune.lookup(key)
+    chunk = dispatch.kernel_chunk_size(chunk_size, x.shape[1], x.device, (x, dt, B, C))  # what the kernels ran at
+    entry = autotune.stored("chunk_scan", scan.chunk_scan_shape_key(x, chunk, B, None, D, None), x.device.index or 0)
+    found = None if entry is None else entry["config"]
     # _forward's call with mamba_chunk_scan_combined's defaults spelled out (first: the key whether or not any
     # plan is kept yet)
     call = eager.call_key(x, dt, A, B, C, chunk_size, D, None, None, init, None, None, False, (0.0, float("inf")),
                           True, False, first=True)
     return {"m2ops_config": found if found is not None else "default",
-            "m2ops_planned": call is not None and call in launch.CALL_PLANS}
+            "m2ops_planned": call is not None and call in planned.CALL_PLANS}
 
 
 def _graphed(fn):

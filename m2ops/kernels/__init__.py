@@ -1,24 +1,30 @@
-"""cuTile kernels of the three forward ops, behind launchers with the reference functions' signatures.
+"""cuTile kernels of the ops, and their launchers (with the reference functions' signatures).
 
+Kernels (one file each, beside nothing but their device helpers):
     chunk_cumsum.py    chunk_cumsum_kernel    dt preprocessing, within-chunk cumsum of dt*A
     chunk_state.py     chunk_state_kernel     each chunk's local state from zero (parallel over chunks)  } the
     state_passing.py   state_passing_kernel   chunk-entering and final states, in place (sequential  } fwd_pass_state
                                               over chunks, parallel over blocks of the state)        } op
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
-    chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group (lower-triangular blocks,  } the
-                                              or the diagonal ones for compute_out_carry)            } compute_out
-    compute_out.py     compute_out_kernel     y, with D and z fused: one program per row block,      } op
-                                              walking the chunk's earlier column blocks              }
-    compute_out_carry.py compute_out_carry_kernel  the same y, one program per chunk carrying the    }
+    chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group                            } the
+    compute_out.py     compute_out_kernel     y, with D and z fused: one program per row block       } compute_out
+    compute_out_carry.py compute_out_carry_kernel  the same y, one program per chunk carrying the    } op
                                               state through its row blocks (dstate <= 128)           }
-    segments.py        segment_state_kernel,  the chunk_scan op (fwd_pass_state + compute_out fused): segment
-                       segment_out_kernel     end states, state_passing over segments, y from registers-held
-                                              states, no per-chunk states in memory
-    state_update.py    state_update_kernel    one decode token: new state and y (the state_update op)
-    chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py
-                       the backward kernels of the three ops (the CUDA implementations of the *_bwd ops),
-                       launched by launch_bwd.py
-    launch.py          grids and arguments; float64 and unsupported chunk sizes run the reference
+    segments.py        segment_state_kernel,  chunk_scan's fused path: segment end states, state_passing over
+                       segment_out_kernel     segments, y from register-held states (a tuning candidate)
+    state_update.py    state_update_kernel    one decode token
+    chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py   the backward kernels of the three ops
+
+Launch side, one concern a module:
+    registry.py        every kernel by name, and which take programmatic dependent launch
+    config.py          the knobs that change what is launched (one object, part of every plan's key)
+    specialise.py      each kernel's constants and hints, and the rules that pick them from sizes and dtypes
+    runtime.py         argument conversion, the launch itself (32-bit twins, PDL), plans kept per signature
+    forward.py         launchers of chunk_cumsum, fwd_pass_state and compute_out
+    scan.py            the chunk_scan launcher and its tuning (autotune.py keeps the results)
+    planned.py         the eager forward planned once per signature (what a repeated call runs)
+    backward.py        launchers of the three ops' backward kernels
+    decode.py          the state_update launcher
     index_width.py     32-bit-indexed twins of the kernels (TMA loads) where every array fits int32 offsets
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)
@@ -35,8 +41,10 @@ except ImportError:
     __all__ = ["unavailable_reason"]
 else:
     # Imported after the kernel modules of the same names, so these names are the launchers.
-    from .launch import chunk_cumsum, chunk_scan, compute_out, fwd_pass_state, state_update
-    from .launch_bwd import chunk_cumsum_bwd, compute_out_bwd, fwd_pass_state_bwd
+    from .backward import chunk_cumsum_bwd, compute_out_bwd, fwd_pass_state_bwd
+    from .decode import state_update
+    from .forward import chunk_cumsum, compute_out, fwd_pass_state
+    from .scan import chunk_scan
     from .specs import all_specs
 
     __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",

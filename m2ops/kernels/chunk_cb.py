@@ -18,7 +18,7 @@ rows past seqlen are zero-padded and give zero rows.
 
 DIAG: only the diagonal blocks (jb = m), one program per row block: all that compute_out_carry reads.
 
-A program's work is cb_block, which chunk_state.chunk_state_cb_kernel also runs (launch.FUSED_CB).
+A program's work is cb_block, which chunk_state.chunk_state_cumsum_cb_kernel also runs (the config's fused_cumsum).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _ZERO = ct.PaddingMode.ZERO
 def cb_block(C, B, cb, q, g, b, dstate, diag, L, BL, TN):
     """Program q of one group's C . B^T: the (BL, BL) block of row block q // (L/BL) and column block q % (L/BL)
     of its chunk (nothing above the diagonal), or with diag the diagonal block of row block q. Also run by
-    chunk_state_cb_kernel's first programs (chunk_state.py), with the same k-steps of TN, so the same bits."""
+    chunk_state_cumsum_cb_kernel's first programs (chunk_state.py), with the same k-steps of TN, so the same
+    bits."""
     blocks_per_chunk = L // BL
     jb = q % blocks_per_chunk    # column block inside the chunk
     rb = q // blocks_per_chunk   # row block over the whole sequence

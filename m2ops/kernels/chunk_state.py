@@ -6,7 +6,7 @@ One program per (chunk, head, (headdim tile, dstate tile), batch row) computes
     local_c = sum over tokens j of the chunk of  (w_j x_j)^T B_j,   w_j = exp(cs_last - cs_j) * dt_j
 
 as mma's of (w * x)^T (TP, BL) by B (BL, TN), BL token rows at a time, and stores it (in float32, or
-bfloat16 under launch.LOCAL_STATES_IN_BF16) into the chunk's slot of the states buffer, where state_passing
+bfloat16 where specialise.local_dtype_names allows) into the chunk's slot of the states buffer, where state_passing
 replaces it by the entering state.
 
 Why: the old single kernel walked all chunks of one state tile in one program (B*H*P/TP*N/TN = 160
@@ -15,7 +15,7 @@ GPU sat at 6% occupancy. No chunk's local state depends on any other, so this pa
 matrix work and all reads of x and B, runs with one program per chunk tile (tens of thousands of
 programs); only an elementwise multiply-add stays sequential.
 
-HB heads per program (a constant; launch.chunk_state_heads: 2 for bfloat16 at chunk 256 from dstate 65, else 1): the
+HB heads per program (a constant; specialise.chunk_state_heads: 2 for bfloat16 at chunk 256 from dstate 65, else 1): the
 program's rows are HB heads' headdim tiles side by side, (HB * TP, TN) = (w x)^T B with x loaded as
 (BL, HB, TP), so that each B tile, which every head of a group shares, is read from L2 once per HB heads
 rather than once per head (B was most of the kernel's L2 traffic at dstate 256-512: heads x dstate x 2 bytes
@@ -24,13 +24,10 @@ per token). The launcher only takes HB > 1 where HB divides the heads of a group
 With seq_idx (HAS_SEQ), tokens whose sequence differs from the chunk's last token add nothing (their
 contribution belongs to a state that ends inside the chunk; varlen_states recomputes those).
 
-chunk_state_pass_kernel (launch.FUSED_PASS, short sequences) also does state_passing's work: the last of a state
-tile's programs to finish walks the tile's chunks (pass_if_last), so that no launch of state_passing is needed.
-
-chunk_state_cb_kernel is the same kernel with chunk_cb's programs (chunk_cb.cb_block) in front of these in its grid,
-for launch.FUSED_CB: chunk_cb needs only C and B, so its work can ride in this launch instead of taking a
-launch of its own in the chain of dependent launches. Both kernels call state_program, so the state programs
-are the same code.
+chunk_state_cumsum_cb_kernel (the planned forward at up to four chunks, the config's fused_cumsum) is the same state
+program with chunk_cb's programs (chunk_cb.cb_block) in front of it in its grid, each state program forming its
+chunk's dt and cumulative sums itself as chunk_cumsum does: the short forward is three dependent launches instead
+of five.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import cuda.tile as ct
 
 from .chunk_cb import cb_block
 from .chunk_cumsum import dt_stages
-from .common import (LOG2E, TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, exp2, load_tile,
+from .common import (TILE_H, TILE_N, Big, ConstBool, ConstInt, dependent_launch_prologue, load_tile,
                      scale_by, token_weight, weighted_state_product)
 
 _ZERO = ct.PaddingMode.ZERO
@@ -71,14 +68,12 @@ def add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB):
 
 
 def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nheads, heads_per_group, n_ntiles,
-                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB, TMA=None):
-    """Program pid of the local states of batch row b; returns cs at the chunk's last token, (HB, 1). TMA: the
-    local state's store may use the copy engine (None, the default) or not (False: pass_if_last reads it back from
-    other programs after an atomic, which does not order the copy engine's writes)."""
+                  n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB):
+    """Program pid of the local states of batch row b."""
     nt, pt, hb, c, g = program_tile(pid, nheads, heads_per_group, n_ntiles, n_ptiles, HB)
 
     # cs at the chunk's last token, taken from the last sub-block's tile rather than loaded alone (a
-    # per-thread global load, where the tile's is a TMA copy; neutral on the H200, docs/performance-log.md v19).
+    # per-thread global load, where the tile's is a TMA copy; neutral on the H200, docs/history.md v19).
     cs_end = ct.load(dA_cumsum, (b, hb, c, L // BL - 1), shape=(1, HB, 1, BL), check_bounds=False)
     cs_last = ct.extract(cs_end, index=(0, 0, 0, BL - 1), shape=(1, HB, 1, 1)).reshape((HB, 1))
     if HAS_SEQ:
@@ -97,8 +92,7 @@ def state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid, b, seqlen, nhea
             w = ct.where(seq == seq_last, w, 0.0)
         s = add_sub_block(s, x, B, w, b, row, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
-    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)), allow_tma=TMA)
-    return cs_last
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
 
 
 @ct.kernel
@@ -111,27 +105,6 @@ def chunk_state_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big
                   n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
 
 
-@ct.kernel
-def chunk_state_cb_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, states: Big, C: Big, cb: Big,
-                          seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
-                          cb_per_group: int, dstate: int, cb_diag: int,
-                          L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool,
-                          CHK: ConstBool, HB: ConstInt):
-    """chunk_state's programs after chunk_cb's (cb_per_group programs per group of each batch row, first in the
-    grid): one launch for both, where the launcher would run chunk_cb next anyway (the planned forward,
-    launch.FUSED_CB). C . B^T needs neither the cumulative sums nor the states, so the fused launch saves
-    chunk_cb's place in the chain of dependent launches."""
-    dependent_launch_prologue()
-    pid = ct.bid(0)
-    b = ct.bid(1)
-    n_cb = cb_per_group * (nheads // heads_per_group)
-    if pid < n_cb:
-        cb_block(C, B, cb, pid % cb_per_group, pid // cb_per_group, b, dstate, cb_diag != 0, L, BL, TILE_N)
-    else:
-        state_program(x, B, dt_out, dA_cumsum, seq_idx, states, pid - n_cb, b, seqlen, nheads, heads_per_group,
-                      n_ntiles, n_ptiles, L, BL, TP, TN, HAS_SEQ, CHK, HB)
-
-
 def heads_of(t, h0, HB):
     """Columns h0 % TILE_H .. + HB of an (L, TILE_H) tile of one block of heads, as an (HB, L) tile. A one-hot
     sum, exact (each output adds one element to zeros), where an index into the tile's columns would not be a
@@ -141,7 +114,7 @@ def heads_of(t, h0, HB):
 
 
 def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, b, seqlen, nheads, heads_per_group,
-                          n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max, L, BL, TP, TN, CHK, HB, TMA=None):
+                          n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max, L, BL, TP, TN, CHK, HB):
     """state_program without seq_idx, forming the chunk's dt and cumulative sums itself from dt (b, t, h) as
     chunk_cumsum does, over the same (L, TILE_H) tile (so the same bits), and storing them for the kernels after
     it from the programs of the first headdim and dstate tile."""
@@ -168,8 +141,7 @@ def state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid, 
         w = ct.sum(ct.where((subs == sb)[None, :, None], w_all, 0.0), axis=1)      # (HB, BL)
         s = add_sub_block(s, x, B, w, b, c * (L // BL) + sb, g, hb, pt, nt, BL, TP, TN, CHK, HB)
 
-    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)), allow_tma=TMA)
-    return cs_last
+    ct.store(states, (b, c, hb, pt, nt), s.astype(states.dtype).reshape((1, 1, HB, TP, TN)))
 
 
 @ct.kernel
@@ -180,9 +152,10 @@ def chunk_state_cumsum_cb_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Bi
                                  dt_min: float, dt_max: float,
                                  L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, CHK: ConstBool,
                                  HB: ConstInt):
-    """chunk_state_cb_kernel that also does chunk_cumsum's work (launch.FUSED_CUMSUM, the planned forward without
-    seq_idx): each state program forms its chunk's dt and cumulative sums from dt itself, so the forward is three
-    dependent launches (this one, state_passing, the output kernel) instead of five."""
+    """chunk_state's programs after chunk_cb's (cb_per_group programs per group of each batch row, first in the
+    grid), each state program doing chunk_cumsum's work for its chunk itself (the config's fused_cumsum, the planned
+    forward without seq_idx): the forward is three dependent launches (this one, state_passing, the output kernel)
+    instead of five. C . B^T needs neither the cumulative sums nor the states, so chunk_cb's work rides here."""
     dependent_launch_prologue()
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -193,82 +166,3 @@ def chunk_state_cumsum_cb_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Bi
         state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, pid - n_cb, b, seqlen, nheads,
                               heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min, dt_max,
                               L, BL, TP, TN, CHK, HB)
-
-
-def _stored_state(states, b, c, hidx, pt, nt, HW, TP, TN, CHK):
-    """Chunk c's local states of heads hidx * HW .. + HW, as other programs of this launch stored them: not through
-    the copy engine, whose reads the atomic in pass_if_last does not order (as those programs' stores);
-    zero-padded where CHK."""
-    if CHK:
-        t = ct.load(states, (b, c, hidx, pt, nt), shape=(1, 1, HW, TP, TN), padding_mode=_ZERO, allow_tma=False)
-    else:
-        t = ct.load(states, (b, c, hidx, pt, nt), shape=(1, 1, HW, TP, TN), check_bounds=False, allow_tma=False)
-    return t.reshape((HW, TP, TN))
-
-
-def pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, pid, nheads,
-                 n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW):
-    """state_passing's recurrence for state program pid's tile, run by whichever of the tile's nchunks programs
-    (one per chunk) finishes last, so that the launch after this one finds the entering and final states written
-    and state_passing's launch is not needed (launch.FUSED_PASS, short sequences: the walk is as long as there
-    are chunks). Each program publishes its chunk's cs_last for the tile in chunk_ends (the cumulative sums may be
-    formed in this launch, by other programs) and counts itself in counter; the count is an acq_rel atomic, so the
-    program that takes the last count sees every other program's local state and cs_last. It sets the count back
-    to 0 for the next call. The recurrence is state_passing's, in float32, on the stored (rounded) local states:
-    the same values state_passing gives. HW: heads walked at once, HB (one walk of the whole tile) or 1 (a walk per
-    head: half the registers at two heads, twice the steps; launch.FUSED_PASS_BY_HEAD)."""
-    nt, pt, hb, c, _ = program_tile(pid, nheads, 1, n_ntiles, n_ptiles, HB)
-    tile = (hb * n_ptiles + pt) * n_ntiles + nt
-    ct.store(chunk_ends, (b, tile, c), cs_last.reshape((1, 1, HB)), allow_tma=False)
-    done = ct.atomic_add(counter, (b, tile), 1)
-    if done == nchunks - 1:
-        ct.atomic_xchg(counter, (b, tile), 0, memory_order=ct.MemoryOrder.RELAXED)
-        for j in range(HB // HW):
-            hidx = hb * (HB // HW) + j       # in units of HW heads
-            s = ct.zeros((HW, TP, TN), dtype=ct.float32)
-            if has_init != 0:
-                s = ct.load(initial_states, (b, hidx, pt, nt), shape=(1, HW, TP, TN),
-                            padding_mode=_ZERO).reshape((HW, TP, TN))
-            # Chunk k's loads are requested before the store of the state entering it, which does not wait for
-            # them. (Loading chunk k + 1's a step ahead, as state_passing does, held a second tile in registers:
-            # 256-332 bytes of spills in the sm_90 builds at two heads and 128-wide tiles.)
-            for k in range(nchunks):
-                local = _stored_state(states, b, k, hidx, pt, nt, HW, TP, TN, CHK)
-                end = ct.load(chunk_ends, (b, tile, k * (HB // HW) + j), shape=(1, 1, HW), allow_tma=False)
-                ct.store(entering, (b, k, hidx, pt, nt), s.astype(entering.dtype).reshape((1, 1, HW, TP, TN)))
-                s = s * exp2(end.reshape((HW, 1, 1)) * LOG2E) + local.astype(ct.float32)
-            ct.store(final_states, (b, hidx, pt, nt), s.reshape((1, HW, TP, TN)))
-
-
-@ct.kernel
-def chunk_state_pass_kernel(x: Big, B: Big, dt: Big, A, dt_bias, dt_out: Big, dA_cumsum: Big, states: Big, C: Big,
-                            cb: Big, entering: Big, final_states: Big, initial_states: Big, counter, chunk_ends,
-                            seqlen: int, nheads: int, heads_per_group: int, n_ntiles: int, n_ptiles: int,
-                            cb_per_group: int, dstate: int, cb_diag: int, has_bias: int, dt_softplus: int,
-                            dt_min: float, dt_max: float, nchunks: int, has_init: int,
-                            L: ConstInt, BL: ConstInt, TP: ConstInt, TN: ConstInt, CHK: ConstBool, HB: ConstInt,
-                            CB: ConstBool, CUMSUM: ConstBool, HW: ConstInt):
-    """chunk_state's launch (without seq_idx) that also does state_passing's work (pass_if_last, HW heads walked at
-    once), so the launch after it is the output kernel's (launch.FUSED_PASS). CB: chunk_cb's programs first in the
-    grid, as chunk_state_cb_kernel (else cb_per_group is 0 and C, cb unused); CUMSUM: the state programs form dt and
-    the cumulative sums themselves, as chunk_state_cumsum_cb_kernel (else dt, A, dt_bias unused)."""
-    dependent_launch_prologue()
-    pid = ct.bid(0)
-    b = ct.bid(1)
-    n_cb = cb_per_group * (nheads // heads_per_group)
-    if pid < n_cb:
-        if CB:
-            cb_block(C, B, cb, pid % cb_per_group, pid // cb_per_group, b, dstate, cb_diag != 0, L, BL, TILE_N)
-    else:
-        sp = pid - n_cb
-        if CUMSUM:
-            cs_last = state_program_from_dt(x, B, dt, A, dt_bias, dt_out, dA_cumsum, states, sp, b, seqlen, nheads,
-                                            heads_per_group, n_ntiles, n_ptiles, has_bias, dt_softplus, dt_min,
-                                            dt_max, L, BL, TP, TN, CHK, HB, False)
-            pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
-                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW)
-        else:
-            cs_last = state_program(x, B, dt_out, dA_cumsum, dA_cumsum, states, sp, b, seqlen, nheads,
-                                    heads_per_group, n_ntiles, n_ptiles, L, BL, TP, TN, False, CHK, HB, False)
-            pass_if_last(states, entering, final_states, initial_states, counter, chunk_ends, cs_last, sp, nheads,
-                         n_ntiles, n_ptiles, b, nchunks, has_init, TP, TN, CHK, HB, HW)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ..meta.shapes import KERNEL_CHUNK_SIZES
+
 # Arrays that can pass 2^31 elements (activations, chunk states) use 64-bit shapes and strides, so that tile
 # offsets are computed in 64 bits. The small per-head vectors keep 32-bit indexing.
 Big = ct.IndexedWithInt64[ct.Array]
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
-CHUNK_SIZES = (16, 32, 64, 128, 256)
+CHUNK_SIZES = KERNEL_CHUNK_SIZES
 
 # dtypes of x / B / C / z (and of dt for chunk_cumsum) that have kernels; float64 runs the reference.
 INPUT_DTYPES = ("float16", "bfloat16", "float32")
@@ -26,15 +28,15 @@ TILE_P = 64
 TILE_N = 64
 # Heads per chunk_cumsum program. Its programs are short and latency-bound (a load, a 256-step scan, two stores),
 # so more programs of fewer heads finish sooner: 4 instead of 16 took the whole call under CUDA graphs on the H200
-# from 89.5 to 86.1 us at T=4K N=64, 35.5 -> 33.2 at 1K N=64, 59.2 -> 55.7 at 1K N=256 (docs/performance-log.md
+# from 89.5 to 86.1 us at T=4K N=64, 35.5 -> 33.2 at 1K N=64, 59.2 -> 55.7 at 1K N=256 (docs/history.md
 # v37; 1 and 2 heads were no faster). 4 float32 heads are a 16-byte row, the least a TMA copy takes.
 TILE_H = 4
 # ... and per chunk_cumsum_bwd program (not measured at other values).
 TILE_H_BWD = 16
 
 # state_passing (and the backward's walk): elements of one head's flattened (headdim x dstate) state per
-# program. The forward takes the smallest (launch.forward_state_block), the backward's walk the largest that
-# still gives enough programs to fill the GPU (launch.backward_walk_block); the tuner tries all; specs.py
+# program. The forward takes the smallest (specialise.forward_state_block), the backward's walk the largest that
+# still gives enough programs to fill the GPU (specialise.backward_walk_block); the tuner tries all; specs.py
 # builds all.
 STATE_BLOCKS = (512, 1024, 2048, 4096)
 # Programs per SM the backward's walk aims for: each keeps one block load in flight, and about 4-5 MB must be
@@ -48,18 +50,18 @@ STATE_LOAD_LATENCY = 10
 # to a power of two, TP = 64: 32 KB at NT = 128) and walks blocks of BL = 64 tokens.
 SEGMENT_TP = 64
 SEGMENT_BL = 64
-# Programs per SM the fused scan's segment count aims for (launch.segment_count).
+# Programs per SM the fused scan's segment count aims for (scan.segment_count).
 SEGMENT_PROGRAMS_PER_SM = 4
-# When the launcher takes the fused scan (launch.use_segments): dstate <= SEGMENT_MAX_DSTATE, chunk size >= BL,
+# When the launcher takes the fused scan (scan.use_segments): dstate <= SEGMENT_MAX_DSTATE, chunk size >= BL,
 # and walks of at most SEGMENT_MAX_WALK blocks. Each block of a walk cost about 13 us (segment_state) and
 # 26 us (segment_out) on an H200 at dstate 128, so the walk only pays where it is short; at dstate 256 and
 # above the register-held state spilled (T=16K: 5.4 ms at N=256, 770 ms at N=512 with smaller tiles, against
 # 1.7 and 3.0 ms for the two-op kernels). Measured (tests/gpu/profile_scan.py, B=1 H=80 P=64 bf16, chunk 256,
 # ms): T=1K N=128, 3 blocks a segment: 0.385 fused, 0.574 two-op; T=4K N=128, 10 blocks: 0.455, 0.349;
-# T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814. Since v19 (docs/performance-log.md) the
+# T=16K N=128, 37 blocks: 1.766, 1.146; T=16K N=64: 1.002, 0.814. Since v19 (docs/history.md) the
 # two-op kernels win at T=1K as well: the tuner chose them at every dstate (the whole call under CUDA graphs,
 # N=64: 0.043 ms tuned against 0.070 for the fused default; N=128: 0.045 against 0.088), so no walk is short
-# enough for the default; the tuner still weighs the fused path (launch.chunk_scan_configs).
+# enough for the default; the tuner still weighs the fused path (scan.chunk_scan_configs).
 SEGMENT_MAX_WALK = 0
 SEGMENT_MAX_DSTATE = 128
 # Every NT the fused scan uses (specs.py builds each).
@@ -82,22 +84,18 @@ def sub_block(chunk_size: int) -> int:
     return min(chunk_size, 64)
 
 
-def supported_chunk_size(chunk_size: int) -> bool:
-    return chunk_size in CHUNK_SIZES
-
-
 def cdiv(a, b):
     return (a + b - 1) // b
 
 
 def in_order(i, count, reverse):
     """Block i of count, or with reverse = 1 block count - 1 - i: a run-time flag, so that one build serves both
-    orders (launch.OUT_REVERSE)."""
+    orders (the config's out_reverse)."""
     return i + reverse * (count - 1 - 2 * i)
 
 
 def dependent_launch_prologue():
-    """First statement of every forward kernel. Launched with programmatic dependent launch (launch.PDL, sm_90
+    """First statement of every forward kernel. Launched with programmatic dependent launch (config.current().pdl, sm_90
     and later), a kernel's programs can be scheduled while the kernel before it in the stream is still
     finishing: the wait holds them until that kernel has completed and its writes are visible, before any load
     or store of this one, so only the launch and scheduling latency overlaps; launch_dependents then lets the
@@ -108,7 +106,7 @@ def dependent_launch_prologue():
 
 def load_tile(array, index, shape, CHK):
     """A zero-padded, bounds-checked tile load; or, with CHK False (the launcher found every tile inside its
-    array: launch.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.
+    array: specialise.tiles_in_bounds), an unchecked one, which saves the per-element bounds arithmetic.
     tileiras 13.4 rejects check_bounds=False together with a padding mode, hence the two calls."""
     if CHK:
         t = ct.load(array, index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
@@ -132,7 +130,7 @@ def exp2(x):
     """2**x on the special-function unit (ex2.approx; subnormal results flushed to zero): one MUFU instruction,
     where ct.exp's correctly rounded form costs about eight. Its relative error (about 2**-22) is far below the
     bfloat16 rounding around it. The kernels evaluate one per element of their (BL x BL) weight blocks, where
-    ct.exp had made compute_out issue-bound (docs/performance-log.md, v19)."""
+    ct.exp had made compute_out issue-bound (docs/history.md, v19)."""
     return ct.exp2(x, flush_to_zero=True)
 
 
@@ -160,7 +158,7 @@ def weighted_state_product(xs, bs, w, acc):
     """acc + (w x)^T B for a block of tokens: xs (BL, TP) and bs (BL, TN) as loaded, w (BL,) each token's weight.
     The weights go on x, the operand that is transposed anyway, so that B's tile reaches the mma as loaded:
     weighting B instead (a scaled copy of it for the mma) made chunk_state 1.6x slower on the H200
-    (docs/performance-log.md v10)."""
+    (docs/history.md v10)."""
     return ct.mma(ct.transpose(scale_by(xs, w[:, None])), bs.astype(xs.dtype), acc)
 
 

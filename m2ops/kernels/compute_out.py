@@ -56,7 +56,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
     # exp(cs_s - cs_j), both factors <= 1 (cs falls). Below the diagonal block the decay is then a row scale
     # times a column scale, so those blocks need no (BL x BL) exp or mask; only the diagonal block does. cs_s
     # is taken from cs_i rather than loaded on its own (a per-thread global load; every other load is a TMA
-    # copy). That was neutral on the H200 (docs/performance-log.md v19) but needs no first-block special case.
+    # copy). That was neutral on the H200 (docs/history.md v19) but needs no first-block special case.
     cs_s = ct.extract(cs_i, index=(0,), shape=(1,)).reshape(())
     csl_s = cs_s * LOG2E           # the exponentials below are exp2 of log2(e)-scaled sums (common.exp2)
     if HAS_SEQ:
@@ -65,7 +65,7 @@ def compute_out_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Big, sta
         seq_prev = ct.where(c == 0, 0, seq_prev)
 
     # The diagonal block's tiles are requested first, ahead of the state product and the column loop: 2-3% less
-    # compute_out time on the H200 than requesting them where they are used (docs/performance-log.md, v21).
+    # compute_out time on the H200 than requesting them where they are used (docs/history.md, v21).
     cbd = ct.load(cb, (b, c, g, m, m), shape=(1, 1, 1, BL, BL), check_bounds=False).reshape((BL, BL))
     xi = load_tile(x, (b, rb, h, pt), (1, BL, 1, TP), CHK).reshape((BL, TP))
 

@@ -168,24 +168,13 @@ def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
     return _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
 
 
-def _gx_ahead(gm, xj, G, x, b, h, h_last, rb, jrow, n_ptiles, BL, TP, LOWP):
-    """_gx of head h from its tile-0 tiles loaded one head earlier (gm, xj), and the next head's tile-0 tiles
-    (head h_last's again at the end, unused) loaded while it is formed: (gx, next gm, next xj)."""
-    gm_n, xj_n = _gx_first(G, x, b, ct.minimum(h + 1, h_last), rb, jrow, BL, TP, LOWP)
-    return _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP), gm_n, xj_n
-
-
 @ct.kernel
 def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big,
                         g_cb_part: Big, p_cs: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_split: int,
-                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool,
-                        PF: ConstBool):
+                        L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     # One program per (row block m, column block j, group, head split), j > m idle. A split's heads are
-    # summed into its own dCB slot; the splits only exist to fill the GPU at short sequences. With PF (an
-    # experiment, launch_bwd.DCBW_PREFETCH) the next head's G and x tiles are loaded while this head's are
-    # used: at long sequences a program walks all of a group's heads (80 at the benchmark shape) one after
-    # another, each step waiting on its loads.
+    # summed into its own dCB slot; the splits only exist to fill the GPU at short sequences.
     pid = ct.bid(0)
     b = ct.bid(1)
     nb = L // BL
@@ -209,16 +198,11 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
         h0 = g * heads_per_group + sp * per
         h1 = g * heads_per_group + ct.minimum((sp + 1) * per, heads_per_group)
         acc = ct.zeros((BL, BL), dtype=ct.float32)
-        if PF:
-            gm_n, xj_n = _gx_first(G, x, b, h0, rb, jrow, BL, TP, LOWP)
         if m == j:
             for h in range(h0, h1):
                 cs_m = _vec(dA_cumsum, b, h, c, m, BL)
                 dt_j = _vec(dt_out, b, h, c, j, BL)
-                if PF:
-                    gx, gm_n, xj_n = _gx_ahead(gm_n, xj_n, G, x, b, h, h1 - 1, rb, jrow, n_ptiles, BL, TP, LOWP)
-                else:
-                    gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
                 v = gx * diag_decay(cs_m, keep)
                 vd = v * dt_j[None, :]
                 # Without each token's own term, as out_bwd_dx leaves it out of the column sums.
@@ -233,10 +217,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 cs_p = ct.load(dA_cumsum, (b, h, c, p), shape=())
                 r = ct.exp(_vec(dA_cumsum, b, h, c, m, BL) - cs_p)
                 qd = ct.exp(cs_p - _vec(dA_cumsum, b, h, c, j, BL)) * _vec(dt_out, b, h, c, j, BL)
-                if PF:
-                    gx, gm_n, xj_n = _gx_ahead(gm_n, xj_n, G, x, b, h, h1 - 1, rb, jrow, n_ptiles, BL, TP, LOWP)
-                else:
-                    gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
+                gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
                 u = gx * r[:, None]
                 if HAS_SEQ:
                     u = ct.where(keep, u, 0.0)

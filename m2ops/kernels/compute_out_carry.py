@@ -12,7 +12,7 @@ S starts as the state entering the chunk (state_passing's, referenced to the chu
 block that is three products (state, diagonal, update) and five tiles (C, B, x, the diagonal C . B^T block,
 y) whatever m is, so chunk_cb writes only the diagonal blocks. (Forming C_i . B_i^T here from the C and B tiles
 already loaded, one more product per block and no chunk_cb launch, was slower on the H200 from 4K tokens:
-docs/performance-log.md v34.) Every factor exp(.) is of a non-positive
+docs/history.md v34.) Every factor exp(.) is of a non-positive
 difference (cs falls), as in the other kernels. The state tile holds all of dstate (TN >= dstate), so this
 kernel is for small dstate; the state product is bfloat16 under SBF (S rounded each block, as the entering
 states are) and tf32 otherwise.
@@ -55,7 +55,7 @@ def compute_out_carry_kernel(x: Big, dt_out: Big, dA_cumsum: Big, C: Big, cb: Bi
     s = load_tile(states, (b, c, h, pt, 0), (1, 1, 1, TP, TN), CHK).reshape((TP, TN)).astype(ct.float32)
     csl_ref = ct.zeros((1,), dtype=ct.float32)     # log2-scaled cs the carried state is referenced to
     # The loop-carried values (s, csl_ref, seq_ref) are assigned on every path: a loop-carried tile assigned
-    # under a compile-time branch gave wrong results on the GPU once (docs/performance-log.md v21, PREFETCH).
+    # under a compile-time branch gave wrong results on the GPU once (docs/history.md v21, PREFETCH).
     seq_ref = ct.zeros((1,), dtype=ct.int32)       # the sequence the carried state belongs to (HAS_SEQ)
     if HAS_SEQ:
         seq_ref = ct.load(seq_idx, (b, ct.maximum(c * L - 1, 0)), shape=()).reshape((1,))

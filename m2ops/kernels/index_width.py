@@ -9,8 +9,8 @@ through TMA (checked in the sm_90 disassembly: chunk_state 129 LDG / 0 UTMALDG w
 
 narrow_twin(kernel) is the same kernel function with its Big parameters indexed in 32 bits (same compiler
 hints); the launcher takes it when every tensor argument's extent fits in int32 (fits_int32) and
-NARROW_INDEX is on (the default; M2OPS_INDEX32=0 turns it off). On the H200 the twins pass the same checks and
-memcheck as the 64-bit kernels and cut compute_out's time by about a third (docs/performance-log.md v6).
+config.current().index32 is on (the default; M2OPS_INDEX32=0 turns it off). On the H200 the twins pass the same
+checks and memcheck as the 64-bit kernels and cut compute_out's time by about a third (docs/history.md v6).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import torch
 
 import cuda.tile as ct
 
-from .. import envvars
+from . import config
 
-NARROW_INDEX = envvars.switch("M2OPS_INDEX32", True)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -71,7 +70,7 @@ def narrow_twin(kernel):
 
 
 def for_args(kernel, args):
-    """The kernel to launch with args: its 32-bit twin when NARROW_INDEX is on and the arguments fit."""
-    if NARROW_INDEX and fits_int32(args):
+    """The kernel to launch with args: its 32-bit twin when the config's index32 is on and the arguments fit."""
+    if config.current().index32 and fits_int32(args):
         return narrow_twin(kernel)
     return kernel

@@ -9,7 +9,7 @@ int32. Flags that only select a branch outside the inner loops (dt_bias, softplu
 run-time arguments and do not multiply the specialisations; seq_idx, which masks inside the inner loops,
 is a constant (HAS_SEQ). state_passing and chunk_cb are listed once per block size / chunk size: the former
 reads only float32 (its dtype is "float32" whatever the activations), the latter once per input dtype.
-Kernels the launchers compile with ct.kernel hints (launch.kernel_hints: occupancy) carry them in their
+Kernels the launchers compile with ct.kernel hints (specialise.kernel_hints: occupancy) carry them in their
 Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed
 per activation dtype, dt dtype and state dtype (each the activations' dtype or float32) and dstate tile, the
 first two dtypes in Spec.dtypes.
@@ -27,22 +27,9 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from . import index_width, launch, launch_bwd
-from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
-from .chunk_cb import chunk_cb_kernel
-from .chunk_cumsum import chunk_cumsum_kernel
-from .chunk_state import (chunk_state_cb_kernel, chunk_state_cumsum_cb_kernel, chunk_state_kernel,
-                          chunk_state_pass_kernel)
+from . import backward, decode, index_width, specialise
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
-from .compute_out import compute_out_kernel
-from .compute_out_carry import compute_out_carry_kernel
-from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
-from .segments import segment_out_kernel, segment_state_kernel
-from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
-                             state_passing_bwd_kernel)
-from .state_passing import state_passing_kernel
-from .state_update import state_update_kernel
-from .varlen_states import varlen_states_kernel
+from .registry import KERNELS
 
 F32, I32 = "float32", "int32"
 
@@ -54,7 +41,7 @@ class Spec:
     constants: dict = field(hash=False)
     # Run-time parameters in order: ("array", dtype, ndim) or ("int",) / ("float",).
     params: tuple = field(hash=False)
-    # ct.kernel hints the launcher compiles this specialisation with (launch.kernel_hints), as items.
+    # ct.kernel hints the launcher compiles this specialisation with (specialise.kernel_hints), as items.
     hints: tuple = ()
     # Other array dtypes that tell specialisations apart, as (role, dtype) items (state_update: dt, state).
     dtypes: tuple = ()
@@ -68,7 +55,7 @@ class Spec:
     @property
     def wide_kernel(self):
         """The kernel with its 64-bit-indexed arrays (the object launchers name; its twin derives from it)."""
-        return launch._hinted(self.kernel_name, self.hints) if self.hints else _KERNELS[self.kernel_name]
+        return specialise.hinted(self.kernel_name, self.hints) if self.hints else KERNELS[self.kernel_name]
 
     @property
     def name(self) -> str:
@@ -111,32 +98,6 @@ def _options(kernel) -> tuple:
     return tuple(sorted((k, v) for k, v in dataclasses.asdict(kernel._compiler_options).items() if v is not None))
 
 
-_KERNELS = {
-    "chunk_cumsum": chunk_cumsum_kernel,
-    "chunk_state": chunk_state_kernel,
-    "chunk_state_cb": chunk_state_cb_kernel,
-    "chunk_state_cumsum_cb": chunk_state_cumsum_cb_kernel,
-    "chunk_state_pass": chunk_state_pass_kernel,
-    "state_passing": state_passing_kernel,
-    "varlen_states": varlen_states_kernel,
-    "chunk_cb": chunk_cb_kernel,
-    "compute_out": compute_out_kernel,
-    "compute_out_carry": compute_out_carry_kernel,
-    "state_update": state_update_kernel,
-    "segment_state": segment_state_kernel,
-    "segment_out": segment_out_kernel,
-    "chunk_cumsum_bwd": chunk_cumsum_bwd_kernel,
-    "state_passing_bwd": state_passing_bwd_kernel,
-    "state_carry_grad": state_carry_grad_kernel,
-    "chunk_state_bwd_x": chunk_state_bwd_x_kernel,
-    "chunk_state_bwd_b": chunk_state_bwd_b_kernel,
-    "out_bwd_dx": out_bwd_dx_kernel,
-    "out_bwd_dcbw": out_bwd_dcbw_kernel,
-    "out_bwd_dcdb": out_bwd_dcdb_kernel,
-    "out_bwd_dstates": out_bwd_dstates_kernel,
-}
-
-
 def _a(dtype, ndim):
     return ("array", dtype, ndim)
 
@@ -157,16 +118,9 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "chunk_state":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(local_dtype, 5),
                 _INT, _INT, _INT, _INT, _INT)
-    if kernel_name == "chunk_state_cb":
-        return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(local_dtype, 5), _a(dt, 4),
-                _a(cb_dtype, 5), _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_cumsum_cb":
         return (_a(dt, 4), _a(dt, 4), _a(dt_dtype, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _a(local_dtype, 5), _a(dt, 4), _a(cb_dtype, 5), *(_INT,) * 10, _FLOAT, _FLOAT)
-    if kernel_name == "chunk_state_pass":
-        return (_a(dt, 4), _a(dt, 4), _a(dt_dtype, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
-                _a(local_dtype, 5), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 4), _a(F32, 4),
-                _a(I32, 2), _a(F32, 3), *(_INT,) * 10, _FLOAT, _FLOAT, _INT, _INT)
     if kernel_name == "state_passing":
         return (_a(local_dtype, 4), _a(F32, 4), _a(I32, 2), _a(F32, 3), _a(F32, 3), _a(state_dtype, 4),
                 _INT, _INT, _INT, _INT, _INT)
@@ -224,25 +178,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
 
 
 def _hints(kernel_name: str, dt: str, L: int) -> tuple:
-    return tuple(sorted(launch.kernel_hints(kernel_name, dt, L).items()))
-
-
-def _pass_specs(dt: str, L: int, check: bool, hb: int, tn: int, ld: str, cbd: str) -> list[Spec]:
-    """chunk_state_pass_kernel's specialisations at these chunk_state constants (launch.FUSED_PASS), entering states
-    in bfloat16."""
-    out = []
-    for cb, cumsum in ((False, False), (True, False), (True, True)):
-        if cumsum and not launch.fused_cumsum_can_run(L, hb):
-            continue
-        for dtd, by_head in itertools.product(sorted({F32, dt}) if cumsum else (F32,),
-                                              (False, True) if hb > 1 else (False,)):
-            out.append(Spec("chunk_state_pass", dt, launch.fused_pass_constants(L, check, hb, tn, cb, cumsum, by_head),
-                            _params("chunk_state_pass", dt, dt_dtype=dtd, local_dtype=ld, cb_dtype=cbd,
-                                    state_dtype="bfloat16"),
-                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
-                            dtypes=tuple((r, d) for r, d in (("dt", dtd), ("local", ld), ("cb", cbd),
-                                                             ("entering", "bfloat16")) if d != F32)))
-    return out
+    return tuple(sorted(specialise.kernel_hints(kernel_name, dt, L).items()))
 
 
 def all_specs() -> list[Spec]:
@@ -250,148 +186,137 @@ def all_specs() -> list[Spec]:
     out = []
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
-            out.append(Spec("chunk_cumsum", dt, launch.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
+            out.append(Spec("chunk_cumsum", dt, specialise.chunk_cumsum_constants(L), _params("chunk_cumsum", dt)))
             # one head per program, and chunk_state_heads's choice where it is more (odd heads per group fall
             # back to one)
-            # (and its two dstate tiles: launch.chunk_state_tn)
-            for hb in sorted({1, launch.chunk_state_heads(dt, L)}):
+            # (and its two dstate tiles: specialise.chunk_state_tn)
+            for hb in sorted({1, specialise.table_heads(dt, L)}):
                 for has_seq in (False, True):
                     for check in (True, False):
-                        for ld in launch.local_dtype_names(dt, L):
-                            for tn in (launch.CHUNK_STATE_SMALL_TN, launch.CHUNK_STATE_TN):
+                        for ld in specialise.local_dtype_names(dt, L):
+                            for tn in (specialise.CHUNK_STATE_SMALL_TN, specialise.CHUNK_STATE_TN):
                                 out.append(Spec("chunk_state", dt,
-                                                launch.chunk_state_constants(L, has_seq, check, hb, tn),
+                                                specialise.chunk_state_constants(L, has_seq, check, hb, tn),
                                                 _params("chunk_state", dt, local_dtype=ld),
-                                                tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
+                                                tuple(sorted(specialise.chunk_state_hints(dt, L, hb).items())),
                                                 dtypes=(("local", ld),) if ld != F32 else ()))
-                                if not has_seq:
-                                    # with chunk_cb's programs (the planned forward, which has no seq_idx)
-                                    cbd = launch.cb_dtype_name(dt)
-                                    out.append(Spec("chunk_state_cb", dt,
-                                                    launch.chunk_state_constants(L, has_seq, check, hb, tn),
-                                                    _params("chunk_state_cb", dt, local_dtype=ld, cb_dtype=cbd),
-                                                    tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
-                                                    dtypes=tuple((r, d) for r, d in (("local", ld), ("cb", cbd))
-                                                                 if d != F32)))
-                                    if launch.fused_cumsum_can_run(L, hb):
-                                        # ... and chunk_cumsum's work, for dt in float32 or the activations' dtype
-                                        for dtd in sorted({F32, dt}):
-                                            out.append(Spec("chunk_state_cumsum_cb", dt,
-                                                            launch.fused_cumsum_constants(L, check, hb, tn),
-                                                            _params("chunk_state_cumsum_cb", dt, dt_dtype=dtd,
-                                                                    local_dtype=ld, cb_dtype=cbd),
-                                                            tuple(sorted(launch.chunk_state_hints(dt, L, hb).items())),
-                                                            dtypes=tuple((r, d) for r, d in
-                                                                         (("dt", dtd), ("local", ld), ("cb", cbd))
-                                                                         if d != F32)))
-                                    if launch.fused_pass_can_run(dt, L, 1, ld == "bfloat16", False):
-                                        # ... and state_passing's work: alone, with chunk_cb's, with chunk_cumsum's too
-                                        out += _pass_specs(dt, L, check, hb, tn, ld, cbd)
-            out.append(Spec("varlen_states", dt, launch.varlen_states_constants(L),
+                                if not has_seq and specialise.fused_cumsum_can_run(L, hb):
+                                    # with chunk_cb's programs and chunk_cumsum's work (the planned forward,
+                                    # which has no seq_idx), for dt in float32 or the activations' dtype
+                                    cbd = specialise.cb_dtype_name(dt)
+                                    for dtd in sorted({F32, dt}):
+                                        out.append(Spec("chunk_state_cumsum_cb", dt,
+                                                        specialise.fused_cumsum_constants(L, check, hb, tn),
+                                                        _params("chunk_state_cumsum_cb", dt, dt_dtype=dtd,
+                                                                local_dtype=ld, cb_dtype=cbd),
+                                                        tuple(sorted(specialise.chunk_state_hints(dt, L, hb).items())),
+                                                        dtypes=tuple((r, d) for r, d in
+                                                                     (("dt", dtd), ("local", ld), ("cb", cbd))
+                                                                     if d != F32)))
+            out.append(Spec("varlen_states", dt, specialise.varlen_states_constants(L),
                             _params("varlen_states", dt)))
-            # C . B^T in float32 for the backward, in launch.cb_dtype_name's dtype for the forward.
-            cbd = launch.cb_dtype_name(dt)
+            # C . B^T in float32 for the backward, in specialise.cb_dtype_name's dtype for the forward.
+            cbd = specialise.cb_dtype_name(dt)
             for cb_dtype in sorted({F32, cbd}):
                 for diag in (False, True):
-                    out.append(Spec("chunk_cb", dt, launch.chunk_cb_constants(L, diag=diag),
+                    out.append(Spec("chunk_cb", dt, specialise.chunk_cb_constants(L, diag=diag),
                                     _params("chunk_cb", dt, cb_dtype=cb_dtype),
                                     _hints("chunk_cb", dt, L), dtypes=(("cb", cb_dtype),) if cb_dtype != F32 else ()))
             for has_seq in (False, True):
                 for check in (True, False):
-                    for sd in launch.entering_dtype_names(dt):
+                    for sd in specialise.entering_dtype_names(dt):
                         extra = tuple((role, d) for role, d in (("cb", cbd), ("states", sd)) if d != F32)
-                        out.append(Spec("compute_out", dt, launch.compute_out_constants(L, has_seq, check, dt),
+                        out.append(Spec("compute_out", dt, specialise.compute_out_constants(L, has_seq, check, dt),
                                         _params("compute_out", dt, state_dtype=sd, cb_dtype=cbd),
                                         _hints("compute_out", dt, L), dtypes=extra))
                         # its carry form at each state tile up to OUT_CARRY_MAX_DSTATE
-                        if not launch.out_carry_can_run(16, L):
+                        if not specialise.out_carry_can_run(16, L):
                             continue
-                        for tn in launch.OUT_CARRY_TILES:
+                        for tn in specialise.OUT_CARRY_TILES:
                             out.append(Spec("compute_out_carry", dt,
-                                            {**launch.out_carry_constants(L, tn, has_seq, dt), "CHK": check},
+                                            {**specialise.out_carry_constants(L, tn, has_seq, dt), "CHK": check},
                                             _params("compute_out_carry", dt, state_dtype=sd, cb_dtype=cbd),
-                                            tuple(sorted(launch.out_carry_hints(dt, tn).items())),
+                                            tuple(sorted(specialise.out_carry_hints(dt, tn).items())),
                                             dtypes=extra))
     # Fused scan: per dstate tile, with and without seq_idx (no hints: _hints would name none).
     for dt in INPUT_DTYPES:
         for nt in SEGMENT_NTS:
             for has_seq in (False, True):
-                k = launch.segment_constants(nt, has_seq)
+                k = specialise.segment_constants(nt, has_seq)
                 for name in ("segment_state", "segment_out"):
                     out.append(Spec(name, dt, k, _params(name, dt)))
     # state_passing also writes the entering states to their own array in each dtype besides float32 that
-    # compute_out reads them in (launch.entering_dtype_names).
-    separate = sorted({d for dt in INPUT_DTYPES for d in launch.entering_dtype_names(dt)} - {F32})
+    # compute_out reads them in (specialise.entering_dtype_names).
+    separate = sorted({d for dt in INPUT_DTYPES for d in specialise.entering_dtype_names(dt)} - {F32})
     # with each, float32 local states and bfloat16 ones where chunk_state may write them (LOCAL_STATES_IN_BF16)
-    locals_with = {sd: sorted({ld for dt in INPUT_DTYPES if sd in launch.entering_dtype_names(dt)
-                               for L in CHUNK_SIZES for ld in launch.local_dtype_names(dt, L)})
+    locals_with = {sd: sorted({ld for dt in INPUT_DTYPES if sd in specialise.entering_dtype_names(dt)
+                               for L in CHUNK_SIZES for ld in specialise.local_dtype_names(dt, L)})
                    for sd in separate}
     for blk in STATE_BLOCKS:
         for has_seq, chk in itertools.product((False, True), (False, True)):
-            out.append(Spec("state_passing", F32, launch.state_passing_constants(blk, has_seq, check=chk),
+            out.append(Spec("state_passing", F32, specialise.state_passing_constants(blk, has_seq, check=chk),
                             _params("state_passing", F32)))
             for sd in separate:
                 for ld in locals_with[sd]:
                     out.append(Spec("state_passing", F32,
-                                    launch.state_passing_constants(blk, has_seq, separate=True, check=chk),
+                                    specialise.state_passing_constants(blk, has_seq, separate=True, check=chk),
                                     _params("state_passing", F32, state_dtype=sd, local_dtype=ld),
                                     dtypes=(("entering", sd),) + ((("local", ld),) if ld != F32 else ())))
-    # Backward kernels (launch_bwd.py). Apart from
+    # Backward kernels (backward.py). Apart from
     # chunk_cumsum_bwd they take the chunk size at run time: one specialisation per token block it implies.
     for dt in INPUT_DTYPES:
         for L in CHUNK_SIZES:
-            out.append(Spec("chunk_cumsum_bwd", dt, launch_bwd.chunk_cumsum_bwd_constants(L),
+            out.append(Spec("chunk_cumsum_bwd", dt, backward.chunk_cumsum_bwd_constants(L),
                             _params("chunk_cumsum_bwd", dt), _hints("chunk_cumsum_bwd", F32, L)))
         for L in sorted({min(L, 64) for L in CHUNK_SIZES}):  # one chunk size per token block
             for has_seq in (False, True):
-                gl = launch_bwd.g_local_dtype_name(dt)
+                gl = backward.g_local_dtype_name(dt)
                 for name in ("chunk_state_bwd_x", "chunk_state_bwd_b"):
-                    out.append(Spec(name, dt, launch_bwd.chunk_state_bwd_constants(L, has_seq, dt),
+                    out.append(Spec(name, dt, backward.chunk_state_bwd_constants(L, has_seq, dt),
                                     _params(name, dt, g_local_dtype=gl), _hints(name, dt, L),
                                     dtypes=(("g_local", gl),) if gl != F32 else ()))
-                k4 = launch_bwd.compute_out_bwd_constants(L, has_seq, dt)
+                k4 = backward.compute_out_bwd_constants(L, has_seq, dt)
                 k3 = {key: v for key, v in k4.items() if key != "TN"}
-                gd = launch_bwd.g_dtype_name(dt)
+                gd = backward.g_dtype_name(dt)
                 extra = (("G", gd),) if gd != F32 else ()
                 for name in ("out_bwd_dcdb", "out_bwd_dstates"):
                     out.append(Spec(name, dt, k4, _params(name, dt, g_dtype=gd), _hints(name, dt, L), dtypes=extra))
                 # out_bwd_dcdb also reads the forward's bfloat16 entering states (m2ops/ops/eager.py).
-                for sd in sorted(set(launch.entering_dtype_names(dt)) - {F32}):
+                for sd in sorted(set(specialise.entering_dtype_names(dt)) - {F32}):
                     out.append(Spec("out_bwd_dcdb", dt, k4, _params("out_bwd_dcdb", dt, g_dtype=gd, state_dtype=sd),
                                     _hints("out_bwd_dcdb", dt, L), dtypes=extra + (("states", sd),)))
                 out.append(Spec("out_bwd_dx", dt, k3, _params("out_bwd_dx", dt, g_dtype=gd),
                                 _hints("out_bwd_dx", dt, L), dtypes=extra))
-                for pf in (False, True):  # the next head's tiles loaded ahead (launch_bwd.DCBW_PREFETCH)
-                    out.append(Spec("out_bwd_dcbw", dt, {**k3, "PF": pf}, _params("out_bwd_dcbw", dt, g_dtype=gd),
-                                    _hints("out_bwd_dcbw", dt, L), dtypes=extra))
-    g_locals = sorted({launch_bwd.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
+                out.append(Spec("out_bwd_dcbw", dt, k3, _params("out_bwd_dcbw", dt, g_dtype=gd),
+                                _hints("out_bwd_dcbw", dt, L), dtypes=extra))
+    g_locals = sorted({backward.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
     # (states dtype, glocal dtype): float32 states with each glocal, and the forward's bfloat16 entering states
     # with bfloat16 activations' glocal (m2ops/ops/eager.py)
     pairs = [(F32, gl) for gl in g_locals] + sorted(
-        {(sd, launch_bwd.g_local_dtype_name(dt)) for dt in INPUT_DTYPES
-         for sd in set(launch.entering_dtype_names(dt)) - {F32}})
-    for blk in STATE_BLOCKS:  # the walk's blocks, and state_carry_grad's steps (launch_bwd.carry_block)
+        {(sd, backward.g_local_dtype_name(dt)) for dt in INPUT_DTYPES
+         for sd in set(specialise.entering_dtype_names(dt)) - {F32}})
+    for blk in STATE_BLOCKS:  # the walk's blocks, and state_carry_grad's steps (backward.carry_block)
         for sd, gl in pairs:
             extra = tuple((role, d) for role, d in (("g_local", gl), ("states", sd)) if d != F32)
             out.append(Spec("state_carry_grad", F32, dict(BLK=blk),
                             _params("state_carry_grad", F32, g_local_dtype=gl, state_dtype=sd),
                             _hints("state_carry_grad", F32, 0), dtypes=extra))
             for has_seq in (False, True):
-                # with gcarry in the walk, and without it (launch_bwd.separate_carry_grad)
+                # with gcarry in the walk, and without it (backward.separate_carry_grad)
                 # (the walk without gcarry loads unchecked where the block divides the state)
                 for gc, chk in ((True, True), (False, True), (False, False)):
                     out.append(Spec("state_passing_bwd", F32,
-                                    launch_bwd.state_passing_bwd_constants(blk, has_seq, gc, check=chk),
+                                    backward.state_passing_bwd_constants(blk, has_seq, gc, check=chk),
                                     _params("state_passing_bwd", F32, g_local_dtype=gl, state_dtype=sd),
                                     _hints("state_passing_bwd", F32, 0), dtypes=extra))
-    # Decode: activations' dtype x dt's and state's dtypes (launch.state_update_dtypes) x dstate tile.
+    # Decode: activations' dtype x dt's and state's dtypes (decode.state_update_dtypes) x dstate tile.
     for dt in INPUT_DTYPES:
-        for dt_dtype in launch.state_update_dtypes(dt):
-            for state_dtype in launch.state_update_dtypes(dt):
-                for tn in launch.STATE_UPDATE_TILE_NS:
+        for dt_dtype in decode.state_update_dtypes(dt):
+            for state_dtype in decode.state_update_dtypes(dt):
+                for tn in decode.STATE_UPDATE_TILE_NS:
                     for aligned in (False, True):  # the table's build, and the one for 16-byte rows
-                        hints = tuple(sorted(launch.state_update_hints(dt, aligned).items()))
-                        out.append(Spec("state_update", dt, launch.state_update_constants(tn),
+                        hints = tuple(sorted(decode.state_update_hints(dt, aligned).items()))
+                        out.append(Spec("state_update", dt, decode.state_update_constants(tn),
                                         _params("state_update", dt, dt_dtype, state_dtype),
                                         hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
     # Each with 64-bit-indexed arrays also as its 32-bit twin.

@@ -6,7 +6,7 @@ in the forward, and gS_C = g_final:
 1. state_passing_bwd_kernel, one program per (block of BLK state elements, head, batch row), walks the
    chunks backwards:  glocal_c = gS_{c+1};  gcarry_c = <gS_{c+1}, S_c> (this block's share);
    gS_c = g_states[c] + carry_c gS_{c+1};  at the end g_init = gS_0.
-   Without GC (launch_bwd.separate_carry_grad) the walk leaves gcarry out and reads chunk
+   Without GC (backward.separate_carry_grad) the walk leaves gcarry out and reads chunk
    c - 1's inputs while it works on chunk c, and state_carry_grad_kernel, one program per (chunk, head,
    batch row), forms gcarry_c = <glocal_c, S_c> afterwards, in parallel over the chunks.
 2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
@@ -18,7 +18,7 @@ in the forward, and gS_C = g_final:
 The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
 (b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
 inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands. Under
-LOWP state_passing_bwd stores glocal in bfloat16 (launch_bwd.g_local_dtype_name): the same rounding, done once
+LOWP state_passing_bwd stores glocal in bfloat16 (backward.g_local_dtype_name): the same rounding, done once
 where it is written instead of in every program that reads it, at half the bytes; gcarry is formed from the
 float32 value before.
 """
@@ -52,7 +52,7 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         # the sum nor the states' reads: only chunk c - 1's carry and g_states block, read ahead. Both stay as
         # loaded until the step that uses them (cs_last is exponentiated there), and the loads are unchecked
         # where the block divides the state, as in the forward's walk (state_passing.py): 0.160 -> 0.147 ms at
-        # T=64K N=64, 0.041 -> 0.038 at T=16K N=64 (docs/performance-log.md, v25).
+        # T=64K N=64, 0.041 -> 0.038 at T=16K N=64 (docs/history.md, v25).
         c = nchunks - 1
         cs = _raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ)
         gst = state_block(g_states, b, c, h, blk, BLK, CHK)
@@ -70,7 +70,7 @@ def state_passing_bwd_kernel(states: Big, g_states: Big, g_final: Big, dA_cumsum
         c = nchunks - 1 - i
         s_c, carry = _chunk_inputs(states, dA_cumsum, seq_idx, b, h, c, blk, seqlen, L, BLK, HAS_SEQ, 1)
         ct.store(g_local, (b, c, h, blk), g.astype(g_local.dtype).reshape((1, 1, 1, BLK)))
-        # s_c float32, or bfloat16 where the forward's own copy is reused (launch_bwd.fwd_pass_state_bwd)
+        # s_c float32, or bfloat16 where the forward's own copy is reused (backward.fwd_pass_state_bwd)
         ct.store(g_carry_part, (b, h, c, blk), ct.sum(g * s_c.astype(ct.float32)).reshape((1, 1, 1, 1)))
         gst = ct.load(g_states, (b, c, h, blk), shape=(1, 1, 1, BLK), padding_mode=_ZERO).reshape((BLK,))
         g = gst + carry * g
@@ -128,7 +128,7 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
         w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
         # x and the other op's gradient of x (added here rather than in a separate pass) are loaded before the
         # products so that their latency overlaps them: loaded after, the added read cost 0.4 ms at 64K/128
-        # for 0.16 ms of traffic (docs/performance-log.md v9). Both stay in their storage dtype until used:
+        # for 0.16 ms of traffic (docs/history.md v9). Both stay in their storage dtype until used:
         # widened early, they spilled registers at occupancy 4 (ncu, v11).
         xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         if has_base != 0:

@@ -22,12 +22,12 @@ Why raw: widening or exponentiating a value in the step that loads it makes that
 the sm_90 build of the old form (inputs converted where loaded) every step waited for its own load, and with
 bfloat16 local states the walk ran at 2.4-2.7 TB/s. Loads are unchecked (CHK False) where BLK divides the
 state: a zero-padded load is a branch around the load and a copy of its registers, and the copy waits too.
-Measured on an H200 (docs/performance-log.md, v25), state_passing ms, old form -> this one, both with
-512-element blocks (launch.forward_state_block): 0.067 -> 0.051 at T=16K N=128, 0.242 -> 0.183 at T=64K N=128.
+Measured on an H200 (docs/history.md, v25), state_passing ms, old form -> this one, both with
+512-element blocks (specialise.forward_state_block): 0.067 -> 0.051 at T=16K N=128, 0.242 -> 0.183 at T=64K N=128.
 
 The states buffer is (b, c, h, P*N) here: a view of the contiguous (b, c, h, P, N) buffer the launcher
 allocates. With SEP the entering states go to a separate `entering` array instead (e.g. in bfloat16 for
-compute_out; an experiment, launch.STATES_IN_BF16), never aliasing `states`: a separate constant rather than
+compute_out; bfloat16 activations, specialise.entering_dtype_names), never aliasing `states`: a separate constant rather than
 one array passed twice, because the compiler may assume distinct parameters do not alias. A partial last
 block (CHK) is zero-padded on load and clipped on store. The recurrence is float32, and the chunk size is a
 run-time argument (it only addresses cs_last and seq_idx), so the specialisations are (BLK, HAS_SEQ, CHK) and

@@ -1,6 +1,6 @@
 """state_update kernel: one token of the Mamba-2 recurrence (decoding), functional.
 
-Launched by m2ops.kernels.launch.state_update, the CUDA implementation of m2ops::state_update (validated by
+Launched by m2ops.kernels.decode.state_update, the CUDA implementation of m2ops::state_update (validated by
 tests/gpu/test_state_update_kernel.py on an H200 before it was enabled).
 
 One program per (headdim tile of TP rows, head, batch row). With d the head's processed step size:

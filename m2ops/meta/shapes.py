@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import torch
 
+# What the cuTile kernels are built for: other chunk sizes and float64 run the reference (ops.dispatch.kernels_serve
+# decides; kernels/specs.py compiles every specialisation of these).
+KERNEL_CHUNK_SIZES = (16, 32, 64, 128, 256)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def num_chunks(seqlen, chunk_size):
     """Chunks covering seqlen tokens; the last one may be partial. Works on SymInts (dynamic seqlen)."""

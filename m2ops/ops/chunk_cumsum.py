@@ -29,9 +29,14 @@ def chunk_cumsum_bwd(g_dt_out: Tensor, g_dA_cumsum: Tensor, dt: Tensor, A: Tenso
 
 
 chunk_cumsum.register_fake(fake.chunk_cumsum)
-chunk_cumsum.register_kernel("cuda")(dispatch.cuda_impl("chunk_cumsum", ref.chunk_cumsum))
+# What decides kernels or reference (dispatch.kernels_serve): the chunk size and the tensors the kernels read as
+# they are (A and dt_bias are converted to float32 whatever they are).
+chunk_cumsum.register_kernel("cuda")(dispatch.cuda_impl(
+    "chunk_cumsum", ref.chunk_cumsum, lambda dt, A, dt_bias, chunk_size, *_: (chunk_size, (dt,), True)))
 chunk_cumsum_bwd.register_fake(fake.chunk_cumsum_bwd)
-chunk_cumsum_bwd.register_kernel("cuda")(dispatch.cuda_impl("chunk_cumsum_bwd", bwd.chunk_cumsum_bwd))
+chunk_cumsum_bwd.register_kernel("cuda")(dispatch.cuda_impl(
+    "chunk_cumsum_bwd", bwd.chunk_cumsum_bwd,
+    lambda g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, *_: (chunk_size, (dt, g_dt_out, A), True)))
 
 
 def _setup(ctx, inputs, output):

@@ -29,7 +29,10 @@ def chunk_scan(x: Tensor, dt_out: Tensor, dA_cumsum: Tensor, B: Tensor, C: Tenso
 
 
 chunk_scan.register_fake(fake.chunk_scan)
-chunk_scan.register_kernel("cuda")(dispatch.cuda_impl("chunk_scan", ref.chunk_scan))
+chunk_scan.register_kernel("cuda")(dispatch.cuda_impl(
+    "chunk_scan", ref.chunk_scan,
+    lambda x, dt_out, dA_cumsum, B, C, initial_states, D, z, *_: (dt_out.shape[-1], (x, dt_out, dA_cumsum, B, C, z),
+                                                                  True)))
 
 
 def _setup(ctx, inputs, output):

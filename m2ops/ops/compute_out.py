@@ -29,9 +29,15 @@ def compute_out_bwd(g_y: Tensor, x: Tensor, dt_out: Tensor, dA_cumsum: Tensor, C
 
 
 compute_out.register_fake(fake.compute_out)
-compute_out.register_kernel("cuda")(dispatch.cuda_impl("compute_out", ref.compute_out))
+compute_out.register_kernel("cuda")(dispatch.cuda_impl(
+    "compute_out", ref.compute_out,
+    lambda x, dt_out, dA_cumsum, C, B, states, D, z, *_: (dt_out.shape[-1], (x, dt_out, dA_cumsum, C, B, states, z),
+                                                          True)))
 compute_out_bwd.register_fake(fake.compute_out_bwd)
-compute_out_bwd.register_kernel("cuda")(dispatch.cuda_impl("compute_out_bwd", bwd.compute_out_bwd))
+compute_out_bwd.register_kernel("cuda")(dispatch.cuda_impl(
+    "compute_out_bwd", bwd.compute_out_bwd,
+    lambda g_y, x, dt_out, dA_cumsum, C, B, states, D, z, *_: (dt_out.shape[-1],
+                                                               (g_y, x, dt_out, dA_cumsum, C, B, states, z), True)))
 
 
 def _setup(ctx, inputs, output):

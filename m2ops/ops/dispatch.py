@@ -1,7 +1,10 @@
-"""Device dispatch: which implementation an op runs on a CUDA tensor.
+"""The one decision "cuTile kernels or PyTorch reference" (kernels_serve), and what follows from it: the chunk
+size a call runs at (kernel_chunk_size) and each op's CUDA implementation (cuda_impl).
 
-The cuTile kernels run where they can; elsewhere (cuda.tile or tileiras missing, an architecture tileiras does
-not support, or M2OPS_FORCE_REFERENCE=1) the PyTorch reference runs, after one warning that says why.
+The kernels serve a call when its device is a CUDA GPU they run on (cuda.tile and tileiras present, an
+architecture tileiras supports, M2OPS_FORCE_REFERENCE unset; otherwise one warning says why), its chunk size is
+one they are built for and its tensors are in their dtypes (meta.shapes.KERNEL_CHUNK_SIZES, KERNEL_DTYPES: float64
+runs the reference). The launchers in m2ops.kernels take that as given.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import warnings
 import torch
 
 from .. import envvars
+from ..meta.shapes import KERNEL_CHUNK_SIZES, KERNEL_DTYPES
 
 FORCE_REFERENCE_ENV = "M2OPS_FORCE_REFERENCE"
 
@@ -56,36 +60,39 @@ def _kernels_serve(device_type: str, device_index: int) -> bool:
 _kernels_serve._dynamo_marked_constant = True
 
 
-def kernel_chunk_size(chunk_size: int, seqlen: int, device) -> int:
-    """The chunk size a call of the caller's chunk_size runs at on device: where the kernels serve it, chunks of
-    launch.SUPER_CHUNK for a caller's 64 or 128 from launch.SUPER_CHUNK_DEFAULT_SEQLEN tokens (measured faster
-    on an H200; y, the final state and the gradients depend on the chunk size only through rounding), else
-    chunk_size. Decided once, before chunk_cumsum, so that every path (eager, torch.compile, CUDA graphs,
-    training, whose backward reuses states kept at the forward's chunk size) runs at that size throughout."""
+def kernels_serve(device, chunk_size, tensors) -> bool:
+    """Whether the cuTile kernels serve a call on device at chunk_size (None: an op without chunks) on tensors
+    (None entries are absent options): else the reference runs."""
     if not _kernels_serve(device.type, device.index if device.index is not None else 0):
+        return False
+    if chunk_size is not None and chunk_size not in KERNEL_CHUNK_SIZES:
+        return False
+    return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
+
+
+def kernel_chunk_size(chunk_size: int, seqlen: int, device, tensors=()) -> int:
+    """The chunk size a call of the caller's chunk_size runs at on device: where the kernels serve it
+    (kernels_serve on tensors), chunks of scan.SUPER_CHUNK for a caller's 64 or 128 from the config's
+    super_chunk_min_seqlen tokens (measured faster on an H200; y, the final state and the gradients depend on the
+    chunk size only through rounding), else chunk_size. Decided once, before chunk_cumsum, so that every path
+    (eager, torch.compile, CUDA graphs, training, whose backward reuses states kept at the forward's chunk size)
+    runs at that size throughout."""
+    if not kernels_serve(device, chunk_size, tensors):
         return chunk_size
-    from ..kernels import launch
-    return launch.SUPER_CHUNK if launch.super_chunk_by_default(chunk_size, seqlen) else chunk_size
+    from ..kernels import scan
+    return scan.SUPER_CHUNK if scan.super_chunk_by_default(chunk_size, seqlen) else chunk_size
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_no_kernel(name: str):
-    warnings.warn(f"m2ops: op {name} has no cuTile kernel yet; running the PyTorch reference on CUDA",
-                  RuntimeWarning, stacklevel=3)
-
-
-def cuda_impl(name: str, reference):
-    """The CUDA implementation of op `name`: m2ops.kernels.<name> when usable, else the reference (also
-    when m2ops.kernels has no function of that name yet: ops may land before their kernels)."""
+def cuda_impl(name: str, reference, decides):
+    """The CUDA implementation of op `name`: the launcher m2ops.kernels.<name> where kernels_serve says so, else
+    the reference. decides(*args) gives the call's (chunk size or None, tensors that must be in the kernels'
+    dtypes, whether the launcher covers the call's options at all)."""
     def impl(*args):
         device = next(a.device for a in args if hasattr(a, "device"))
-        if use_kernels(device):
+        chunk_size, tensors, covered = decides(*args)
+        if covered and kernels_serve(device, chunk_size, tensors):
             from .. import kernels
-            kernel = getattr(kernels, name, None)
-            # callable: a kernel module of the same name (imported, not exported) is not a launcher.
-            if callable(kernel):
-                return kernel(*args)
-            _warn_no_kernel(name)
+            return getattr(kernels, name)(*args)
         return reference(*args)
     impl.__name__ = f"{name}_cuda"
     return impl

@@ -9,7 +9,7 @@ and the backward's composition (chunk_scan.backward_with) are the ops' own, so r
 for one difference (KEEP_STATES below): where the forward wrote bfloat16 entering states, the backward reuses
 them instead of recomputing them in float32, which moves the gradients of dt, A and dt_bias by their rounding.
 
-Without gradients the call goes further: launch.planned_forward keeps, per signature (sizes, dtypes, options,
+Without gradients the call goes further: kernels.planned.planned_forward keeps, per signature (sizes, dtypes, options,
 device, the launch module's switches), everything chunk_cumsum and chunk_scan decide from their inputs, and a
 repeated call only allocates and launches the same five kernels (same bits; the tuning cache's entry is checked
 every call, so a new or changed entry takes effect as it does for the launchers). A call whose arguments match,
@@ -41,9 +41,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 KEEP_STATES = not envvars.switch("M2OPS_RECOMPUTE_STATES", False)
 
 
-def applies(*tensors) -> bool:
-    """Whether the direct path may serve a call on these tensors (None entries are absent options)."""
-    return tensors[0].is_cuda and context_allows(tensors) and dispatch.use_kernels(tensors[0].device)
+def applies(run_chunk: int, deciding: tuple, others: tuple) -> bool:
+    """Whether the direct path serves a call: the kernels serve it (dispatch.kernels_serve on the deciding tensors
+    at run_chunk) and nothing that must see the ops is active (context_allows, on every tensor: None entries are
+    absent options)."""
+    x = deciding[0]
+    return (x.is_cuda and context_allows(deciding + others)
+            and dispatch.kernels_serve(x.device, run_chunk, deciding))
 
 
 def context_allows(tensors) -> bool:
@@ -57,11 +61,11 @@ def context_allows(tensors) -> bool:
 _LAUNCH = []
 
 
-def _launch_module():
-    """m2ops.kernels.launch, imported on first use (this module loads where cuTile is absent too)."""
+def _planned_module():
+    """m2ops.kernels.planned, imported on first use (this module loads where cuTile is absent too)."""
     if not _LAUNCH:
-        from ..kernels import launch
-        _LAUNCH.append(launch)
+        from ..kernels import planned
+        _LAUNCH.append(planned)
     return _LAUNCH[0]
 
 
@@ -118,9 +122,9 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
                                             for t in (x, dt, A, B, C, D, z, dt_bias, initial_states))):
         # Nothing to differentiate: the launchers without the autograd Function (its context and saved tensors
         # cost the host about 10 us a call; inference and benchmarks take this path), and where this signature
-        # has a launch.ForwardPlan, not even the launchers' own checks and decisions.
+        # has a planned.ForwardPlan, not even the launchers' own checks and decisions.
         if seq_idx is None:
-            out = _launch_module().planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+            out = _planned_module().planned_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
                                                    dt_softplus, dt_min, dt_max, key)
             if out is not None:
                 return out
@@ -134,7 +138,7 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 # The public call's checks (check_inputs), this module's dispatch (applies, the gradient test) and
 # planned_forward's own signature cost the H200's host about 35 of a planned forward's 117 us at 4K tokens
 # (tests/gpu/plan_cost.py --ladder), against 40 us for the five launches. A call whose key matches one that passed
-# all of them and ran a plan (launch.CALL_PLANS) goes to that plan directly. The key holds everything those steps
+# all of them and ran a plan (planned.CALL_PLANS) goes to that plan directly. The key holds everything those steps
 # read from the arguments: each tensor's exact type, size, dtype, layout, device and contiguity, and the plain arguments
 # with their types, so an argument check cannot come out differently; what they read from elsewhere (compile,
 # modes, transforms, the profiler, gradient mode and requires_grad, the launch module's switches and profiling
@@ -142,14 +146,14 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 
 def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
              return_final_states, return_varlen_states, first=False):
-    """The public call's key for launch.CALL_PLANS, or None: no plan is kept yet (unless first: the call is about
+    """The public call's key for planned.CALL_PLANS, or None: no plan is kept yet (unless first: the call is about
     to take the direct path, having passed the checks), or the call is of a kind that is never kept (seq_idx,
     cu_seqlens, varlen states, dt_limit not a tuple, a tensor of another type than torch.Tensor or
     nn.Parameter, plain arguments not of the exact builtin types). Never raises, whatever the arguments."""
     if torch.compiler.is_compiling():  # (first: dynamo then never reads the rest)
         return None
     if first:
-        _launch_module()
+        _planned_module()
     elif not _LAUNCH or not _LAUNCH[0].CALL_PLANS:
         return None
     if (seq_idx is not None or cu_seqlens is not None or return_varlen_states is not False
@@ -172,7 +176,8 @@ def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
     if (type(chunk_size) is not int or type(dt_softplus) is not bool or type(return_final_states) is not bool
             or type(lo) not in (int, float) or type(hi) not in (int, float)):
         return None
-    return (*metas, chunk_size, dt_softplus, type(lo), lo, type(hi), hi, return_final_states, _LAUNCH[0]._knobs())
+    return (*metas, chunk_size, dt_softplus, type(lo), lo, type(hi), hi, return_final_states,
+            _LAUNCH[0].config.current())
 
 
 def remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states):
@@ -180,15 +185,15 @@ def remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states):
     under key, or something besides the arguments that the path looks at is not as it was (a compile, mode,
     transform or profiler; a tensor requiring its gradient with gradients on; a profiling override; the tuning
     cache's entry changed)."""
-    launch = _LAUNCH[0]
-    fp = launch.CALL_PLANS.get(key)
+    planned = _LAUNCH[0]
+    fp = planned.CALL_PLANS.get(key)
     if fp is None:
         return None
-    if torch.autograd._profiler_enabled() or launch._profiling_override() or not context_allows(()):
+    if torch.autograd._profiler_enabled() or not context_allows(()):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
         return None
-    if not launch.forward_plan_current(fp):
+    if not planned.forward_plan_current(fp):
         return None
-    return launch.run_forward(fp, x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return planned.run_forward(fp, x, dt, A, B, C, D, z, dt_bias, initial_states)

@@ -35,9 +35,16 @@ def fwd_pass_state_bwd(g_states: Tensor, g_final: Tensor, g_varlen: Tensor, x: T
 
 
 fwd_pass_state.register_fake(fake.fwd_pass_state)
-fwd_pass_state.register_kernel("cuda")(dispatch.cuda_impl("fwd_pass_state", ref.fwd_pass_state))
+fwd_pass_state.register_kernel("cuda")(dispatch.cuda_impl(
+    "fwd_pass_state", ref.fwd_pass_state,
+    lambda x, B, dt_out, dA_cumsum, *_: (dt_out.shape[-1], (x, B, dt_out, dA_cumsum), True)))
 fwd_pass_state_bwd.register_fake(fake.fwd_pass_state_bwd)
-_bwd_cuda = dispatch.cuda_impl("fwd_pass_state_bwd", bwd.fwd_pass_state_bwd)
+# The per-sequence states' backward (a non-empty g_varlen with cu_seqlens) has no kernel: the reference runs it.
+_bwd_cuda = dispatch.cuda_impl(
+    "fwd_pass_state_bwd", bwd.fwd_pass_state_bwd,
+    lambda g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx, cu_seqlens, *_:
+    (dt_out.shape[-1], (x, B, dt_out, dA_cumsum, g_states, g_final),
+     cu_seqlens is None or g_varlen.numel() == 0))
 
 
 @fwd_pass_state_bwd.register_kernel("cuda")

@@ -37,7 +37,9 @@ def state_update_bwd(g_y: Tensor, g_state: Tensor, state: Tensor, x: Tensor, dt:
 
 
 state_update.register_fake(fake.state_update)
-state_update.register_kernel("cuda")(dispatch.cuda_impl("state_update", ref.state_update))
+state_update.register_kernel("cuda")(dispatch.cuda_impl(
+    "state_update", ref.state_update,
+    lambda state, x, dt, A, B, C, D, z, *_: (None, (state, x, dt, B, C, z), True)))
 state_update_bwd.register_fake(fake.state_update_bwd)
 
 

@@ -33,7 +33,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 # headdim x dstate pairs that give the arrays different stride classes (cuTile builds a kernel per class): a partial
 # row tile (headdim 50) or not, rows of a bfloat16 array that are whole 16-byte multiples (dstate 128) or not (100).
-# The GPU tests run each by name: the sweeps reach them only by chance at a few examples (performance-log v28).
+# The GPU tests run each by name: the sweeps reach them only by chance at a few examples (docs/history.md v28).
 STRIDE_CLASSES = tuple((p, n) for p in (50, 64) for n in (100, 128))
 
 TOL = {
@@ -159,7 +159,7 @@ def public_call(case, return_final_states=True, return_varlen_states=False):
 
 
 def scan_case(seqlen, dstate, chunk_size, device="cuda", nheads=80):
-    """The profiling scripts' case (profile_scan, variants_scan, backward_scan, host_scan, ncu_scan, heads_scan):
+    """The measurement scripts' case (measure/: profile_scan, variants_scan, backward_scan, host_scan, ncu_scan, ...):
     B=1, H=80 (or nheads), P=64, G=1, bfloat16 x/B/C, float32 dt, D per head, initial states."""
     case = make_case(seqlen=seqlen, nheads=nheads, headdim=64, ngroups=1, dstate=dstate, dtype=torch.bfloat16, D="h",
                      initial_states=True, chunk_size=chunk_size, device=device)

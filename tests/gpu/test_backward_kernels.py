@@ -1,4 +1,4 @@
-"""The backward kernels (m2ops/kernels/launch_bwd.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd)
+"""The backward kernels (m2ops/kernels/backward.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd)
 on a GPU against the reference backward formulas, and the public function's gradients on CUDA (autograd
 through the *_bwd ops, whose CUDA implementations they are) against the reference's on the CPU:
 
@@ -57,8 +57,8 @@ def cases(draw):
 @SWEEP
 def test_backward_kernels_match_reference(kw, separate_carry):
     """separate_carry: gcarry apart from state_passing_bwd's walk (state_carry_grad_kernel) or in it, forced,
-    or by launch_bwd.separate_carry_grad's rule (None; at these sizes the walk block is the smallest, apart)."""
-    from m2ops.kernels import launch_bwd
+    or by backward.separate_carry_grad's rule (None; at these sizes the walk block is the smallest, apart)."""
+    from m2ops.kernels import backward
     case = make_case(**kw)
     _, fin_ref, _, mid = reference_forward(case)
     gen = torch.Generator().manual_seed(kw["seed"])
@@ -70,7 +70,7 @@ def test_backward_kernels_match_reference(kw, separate_carry):
     args = (cot(mid["dt_out"]), cot(mid["dA_cumsum"]), case["dt"], case["A"], case["dt_bias"], case["chunk_size"],
             case["dt_softplus"], float(lo), float(hi))
     poison_allocator()
-    got = launch_bwd.chunk_cumsum_bwd(*args)
+    got = backward.chunk_cumsum_bwd(*args)
     want = ref_bwd.chunk_cumsum_bwd(*map(_cpu, args))
     for name, a, b, tol in zip(("g_dt", "g_A", "g_dt_bias"), got, want,
                                (CUMSUM_BWD_TOL[case["dt"].dtype], 1e-5, 1e-5)):
@@ -80,12 +80,12 @@ def test_backward_kernels_match_reference(kw, separate_carry):
     args = (cot(mid["states"]), cot(fin_ref), fin_ref.new_zeros((0, *fin_ref.shape[1:])), case["x"], case["B"],
             mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     poison_allocator()
-    saved = launch_bwd.SEPARATE_CARRY_GRAD
-    launch_bwd.SEPARATE_CARRY_GRAD = separate_carry
+    saved = backward.SEPARATE_CARRY_GRAD
+    backward.SEPARATE_CARRY_GRAD = separate_carry
     try:
-        got = launch_bwd.fwd_pass_state_bwd(*args)
+        got = backward.fwd_pass_state_bwd(*args)
     finally:
-        launch_bwd.SEPARATE_CARRY_GRAD = saved
+        backward.SEPARATE_CARRY_GRAD = saved
     want = ref_bwd.fwd_pass_state_bwd(*map(_cpu, args))
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
@@ -97,7 +97,7 @@ def test_backward_kernels_match_reference(kw, separate_carry):
 @SWEEP
 def test_compute_out_backward_kernels(kw, D, z):
     """compute_out_bwd (every gradient, D and z included) against the reference backward formulas."""
-    from m2ops.kernels import launch_bwd
+    from m2ops.kernels import backward
     from m2ops.reference import chunked_backward as ref_bwd
     case = make_case(**kw, D=D, z=z)
     y_ref, _, _, mid = reference_forward(case)
@@ -107,7 +107,7 @@ def test_compute_out_backward_kernels(kw, D, z):
             case["z"], case["seq_idx"])
     want = ref_bwd.compute_out_bwd(*(_cpu(a) for a in args))
     poison_allocator()
-    got = launch_bwd.compute_out_bwd(*args)
+    got = backward.compute_out_bwd(*args)
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_dt_out", "g_dA_cumsum", "g_C", "g_B", "g_states", "g_D", "g_z"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
@@ -127,7 +127,7 @@ def test_public_function_gradients(kw, D, z):
     _check_public_gradients(kw, D, z)
 
 
-# Each stride class of the backward's hinted builds (launch._OCCUPANCY_ANY_CHUNK), named rather than left to the
+# Each stride class of the backward's hinted builds (specialise._OCCUPANCY_ANY_CHUNK), named rather than left to the
 # sweep's few examples (gpu_cases.STRIDE_CLASSES).
 @pytest.mark.parametrize("headdim,dstate", STRIDE_CLASSES)
 def test_gradients_in_each_stride_class(headdim, dstate):

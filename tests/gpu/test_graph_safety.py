@@ -58,14 +58,14 @@ def test_compiled_call_does_not_recompile_for_new_data():
 
 
 def test_long_sequences_at_chunk_128_run_on_chunks_of_256(monkeypatch):
-    """From launch.SUPER_CHUNK_DEFAULT_SEQLEN tokens a call at chunk 128 runs at 256 from chunk_cumsum on
+    """From config.current().super_chunk_min_seqlen tokens a call at chunk 128 runs at 256 from chunk_cumsum on
     (ops.dispatch.kernel_chunk_size), on every path: eager, torch.compile (fullgraph), a CUDA graph's replay
     and training give the bits of the same call at chunk 256, and y stays within tolerance of the reference at
     128."""
     from gpu_cases import TOL, reference_forward, rel_err
-    from m2ops.kernels import launch
+    from m2ops.kernels import config
     monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
-    T = launch.SUPER_CHUNK_DEFAULT_SEQLEN
+    T = config.current().super_chunk_min_seqlen
     case = make_case(dtype=torch.bfloat16, chunk_size=128, seqlen=T, nheads=8, ngroups=2, headdim=64, dstate=64,
                      D="h", z=True, initial_states=True, seed=4)
     at256 = {**case, "chunk_size": 256}
@@ -103,31 +103,31 @@ def test_long_sequences_at_chunk_128_run_on_chunks_of_256(monkeypatch):
 
 def test_kept_scratch_under_streams_threads_and_graphs(monkeypatch):
     """The planned path keeps each call's scratch for the next call on the same stream and thread
-    (launch._planned_scratch). Calls issued back to back without a sync, on two streams at once, from two threads
+    (planned.planned_scratch). Calls issued back to back without a sync, on two streams at once, from two threads
     on one stream, and eager calls between replays of a graph captured after scratch was kept, all give the bits
     of the same calls made one at a time with nothing kept."""
     import threading
 
-    from m2ops.kernels import launch
+    from m2ops.kernels import planned, runtime
     monkeypatch.setenv("M2OPS_AUTOTUNE", "0")
     cases = [make_case(dtype=torch.bfloat16, chunk_size=256, seqlen=1024, nheads=8, headdim=64, dstate=64, D="h",
                        z=True, initial_states=True, dt_bias=True, seed=s) for s in range(4)]
     with torch.no_grad():
-        monkeypatch.setattr(launch, "SCRATCH_KEEP_BYTES", 0)
-        launch.clear_plans()
+        monkeypatch.setattr(planned, "SCRATCH_KEEP_BYTES", 0)
+        runtime.clear_plans()
         want = []
         for c in cases:
             want.append(public_call(c))
             torch.cuda.synchronize()
-        monkeypatch.setattr(launch, "SCRATCH_KEEP_BYTES", 64 << 20)
-        launch.clear_plans()
+        monkeypatch.setattr(planned, "SCRATCH_KEEP_BYTES", 64 << 20)
+        runtime.clear_plans()
 
         def same(got, k):
             for a, b in zip(got, want[k]):
                 assert torch.equal(a, b), k
 
         outs = [public_call(cases[k % 4]) for k in range(12)]  # back to back on one stream
-        assert launch.kept_scratch_bytes() > 0
+        assert planned.kept_scratch_bytes() > 0
         torch.cuda.synchronize()
         for k, o in enumerate(outs):
             same(o, k % 4)

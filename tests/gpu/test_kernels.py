@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from knobs import knobs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_cases import (CHUNK_SIZES, DTYPES, STRIDE_CLASSES, TOL, captured, kernels_or_reason, make_case,  # noqa: E402
@@ -110,16 +111,13 @@ def test_chunk_scan(kw, path):
     """The chunk_scan op on the reference's intermediates, through the launcher's choice (None), the fused
     segment kernels forced where they can run (True; dstate <= 128, chunk >= 64) or the two-op kernels
     forced (False)."""
-    from m2ops.kernels import launch
+    from m2ops.kernels import config
     case = make_case(**kw)
     y_ref, fin_ref, _, mid = reference_forward(case)
     poison_allocator()
-    launch.SEGMENTS_OVERRIDE = path
-    try:
+    with config.override(segments=path):
         y, fin = kernels.chunk_scan(case["x"], mid["dt_out"], mid["dA_cumsum"], case["B"], case["C"],
                                     case["initial_states"], case["D"], case["z"], case["seq_idx"])
-    finally:
-        launch.SEGMENTS_OVERRIDE = None
     assert y.shape == y_ref.shape and y.dtype == y_ref.dtype and y.is_contiguous()
     _check(y, y_ref, "y", case["x"].dtype, "y")
     _check(fin, fin_ref, "states", case["x"].dtype, "final_states")
@@ -183,8 +181,8 @@ def test_reference_fallbacks(kw):
 # ---- each stride class of the hinted builds, named ----
 
 # cuTile builds a kernel per divisibility class of its arrays' strides, and the launchers build some kernels with
-# an occupancy hint (launch._OCCUPANCY): one such build of state_update computed wrong values only where a
-# partial row tile met 200-byte state rows (headdim 50, dstate 100; docs/performance-log.md v28), a class the
+# an occupancy hint (specialise._OCCUPANCY): one such build of state_update computed wrong values only where a
+# partial row tile met 200-byte state rows (headdim 50, dstate 100; docs/history.md v28), a class the
 # sweeps above reach only by chance at a few examples. These run each of gpu_cases.STRIDE_CLASSES through the
 # public function in the dtypes and chunk sizes whose builds carry hints: bfloat16 at 256 (its own entries) and
 # float16 at 64.
@@ -280,30 +278,25 @@ def test_torch_compile_reduce_overhead_matches_eager():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mode", ["FUSED_CB", "FUSED_CUMSUM", "FUSED_PASS", "FUSED_CB+FUSED_PASS",
-                                  "FUSED_CUMSUM+FUSED_PASS", "FUSED_CUMSUM+FUSED_PASS+FUSED_PASS_BY_HEAD"])
 @pytest.mark.parametrize("seqlen,dstate,walk", [(4096, 64, False), (1024, 256, True), (300, 32, False),
                                                 (1000, 128, True), (1024, 512, True)])
-def test_fused_launches_give_the_same_results(monkeypatch, mode, seqlen, dstate, walk):
-    """launch.FUSED_CB (chunk_cb's programs in chunk_state's launch), FUSED_CUMSUM (chunk_cumsum's work there
-    too) and FUSED_PASS (state_passing's work there, up to four chunks: its programs hand over through an atomic
-    count), planned forward, against the default launches, eager and replayed from a CUDA graph, ten calls each. A
-    missing dependency between the fused launch and the kernels after it, the next call's launch overwriting the
-    scratch early, or a state tile walked before its last chunk's state is visible, shows as calls that differ from
-    each other or from the default (tests/test_kernels_emulated.py checks the arithmetic, not the ordering).
-    FUSED_CB and FUSED_PASS must give the default's bits; FUSED_CUMSUM forms the same cumulative sums in another
-    kernel, so its bits may differ in the last place."""
-    from m2ops.kernels import launch
-    monkeypatch.setattr(launch, "OUT_CARRY_OVERRIDE", False if walk else None)
-    # against the separate launches, each fusion at any length (FUSED_CUMSUM is on by default for short sequences)
-    monkeypatch.setattr(launch, "FUSED_CUMSUM", False)
-    monkeypatch.setattr(launch, "FUSED_CUMSUM_MAX_CHUNKS", 1 << 30)
+def test_fused_cumsum_gives_the_same_results(monkeypatch, seqlen, dstate, walk):
+    """config.current().fused_cumsum (chunk_cb's programs and chunk_cumsum's work in chunk_state's launch), planned forward,
+    against the separate launches, eager and replayed from a CUDA graph, ten calls each. A missing dependency
+    between the fused launch and the kernels after it, or the next call's launch overwriting the scratch early,
+    shows as calls that differ from each other or from the separate launches (tests/test_kernels_emulated.py
+    checks the arithmetic, not the ordering). The fused launch forms the same cumulative sums in another kernel,
+    so its bits may differ in the last place."""
+    from m2ops.kernels import planned
+    knobs(monkeypatch, out_carry=False if walk else None)
+    # against the separate launches, the fusion at any length (by default it serves short sequences only)
+    knobs(monkeypatch, fused_cumsum=False)
+    knobs(monkeypatch, fused_cumsum_max_chunks=1 << 30)
     case = make_case(seqlen=seqlen, nheads=8, headdim=64, ngroups=2, dstate=dstate, dtype=torch.bfloat16,
                      D="h", z=True, initial_states=True, chunk_size=256, seed=seqlen, dt_dtype=torch.float32)
     with torch.no_grad():
         want = public_call(case)
-        for switch in mode.split("+"):
-            monkeypatch.setattr(launch, switch, True)
+        knobs(monkeypatch, fused_cumsum=True)
         got = [public_call(case) for _ in range(10)]
         g, static_out = captured(lambda: public_call(case))
         replays = []
@@ -311,14 +304,8 @@ def test_fused_launches_give_the_same_results(monkeypatch, mode, seqlen, dstate,
             g.replay()
             replays.append(tuple(t.clone() for t in static_out))
     torch.cuda.synchronize()
-    flags = [switch.lower() for switch in mode.split("+") if switch != "FUSED_PASS_BY_HEAD"
-             and (switch != "FUSED_PASS" or seqlen <= launch.FUSED_PASS_MAX_CHUNKS * 256)]
-    assert any(fp.out is not None and all(getattr(fp.states, f) for f in flags)
-               for fp in launch._FORWARD_PLANS.values())
+    assert any(fp.out is not None and fp.states.fused_cumsum for fp in planned.FORWARD_PLANS.values())
     for out in got + replays:
         for a, b, c in zip(out, want, got[0]):
             assert torch.equal(a, c)
-            if "FUSED_CUMSUM" in mode:
-                assert rel_err(a, b) <= 1e-5
-            else:
-                assert torch.equal(a, b)
+            assert rel_err(a, b) <= 1e-5

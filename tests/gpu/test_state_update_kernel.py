@@ -1,4 +1,4 @@
-"""The cuTile decode kernel (m2ops.kernels.launch.state_update) against m2ops.reference.state_update.
+"""The cuTile decode kernel (m2ops.kernels.decode.state_update) against m2ops.reference.state_update.
 
 m2ops/kernels/__init__.py exports it (dispatch runs it for m2ops::state_update on CUDA) since these tests
 passed on an H200 (23 passed, 2026-11-29):
@@ -46,7 +46,7 @@ INF = float("inf")
 
 _kernels, _reason = kernels_or_reason()
 if _kernels is not None:
-    from m2ops.kernels import launch
+    from m2ops.kernels import decode
 else:
     launch = None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(launch is None, reason=str(_reason))]
@@ -129,7 +129,7 @@ def _check(kw, what=""):
     unchanged."""
     before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
     poison_allocator()
-    y, new = launch.state_update(**kw)
+    y, new = decode.state_update(**kw)
     ey, enew = ref.state_update(**_cpu(kw))
     torch.cuda.synchronize()
     assert y.shape == ey.shape and y.dtype == ey.dtype and y.is_contiguous(), (y.shape, y.dtype)
@@ -187,7 +187,7 @@ def test_every_tile_and_dtype(dtype, dstate):
            what=f"{dtype} dstate={dstate}")
 
 
-# The example on which occupancy 4 and 8 gave wrong outputs (docs/performance-log.md v26, v28; decode_scan.py
+# The example on which occupancy 4 and 8 gave wrong outputs (docs/history.md v26, v28; measure/decode_scan.py
 # runs it at each occupancy).
 ODD_CASE = dict(dtype=torch.bfloat16, batch=3, nheads=8, ngroups=1, headdim=50, dstate=100, state_dtype=torch.bfloat16,
                 param_dtype=torch.bfloat16, dt_softplus=True, dt_bias=False, dt_limit=(0.002, 0.3), D="hp", seed=4162)
@@ -221,8 +221,10 @@ def test_heads_read_their_group():
 
 
 def test_float64_runs_the_reference():
+    """float64 inputs: the op's CUDA implementation runs the reference (ops.dispatch.kernels_serve decides)."""
+    import m2ops.ops
     kw = make_inputs(dtype=torch.float64, state_dtype=torch.float64, param_dtype=torch.float64, D="hp", z=True)
-    y, new = launch.state_update(**kw)
+    y, new = m2ops.ops.state_update(**kw)
     ey, enew = ref.state_update(**kw)
     torch.testing.assert_close(y, ey, rtol=0, atol=0)
     torch.testing.assert_close(new, enew, rtol=0, atol=0)
@@ -234,11 +236,11 @@ def test_no_host_synchronisation():
     for kw in (make_inputs(D="h", z=True),
                make_inputs(dtype=torch.float16, state_dtype=torch.bfloat16, dt_dtype=torch.bfloat16,
                            param_dtype=torch.float16, D="hp")):
-        launch.state_update(**kw)  # JIT compile first
+        decode.state_update(**kw)  # JIT compile first
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            launch.state_update(**kw)
+            decode.state_update(**kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
@@ -266,7 +268,7 @@ def test_cuda_graph_decode_steps():
     def decode():
         ys = []
         for i in range(steps):
-            y, new = launch.state_update(state_buf, bufs["x"][i], bufs["dt"][i], A, bufs["B"][i], bufs["C"][i],
+            y, new = decode.state_update(state_buf, bufs["x"][i], bufs["dt"][i], A, bufs["B"][i], bufs["C"][i],
                                          D, bufs["z"][i], dt_bias, True, 0.0, INF)
             state_buf.copy_(new)
             ys.append(y)
@@ -299,14 +301,14 @@ def test_dispatch_runs_the_kernel(monkeypatch):
     the same name, and not the reference)."""
     from m2ops import kernels
     from m2ops.ops import dispatch
-    assert kernels.state_update is launch.state_update
+    assert kernels.state_update is decode.state_update
     if not dispatch.use_kernels(torch.device("cuda")):
         pytest.fail("dispatch does not use the cuTile kernels on this device (M2OPS_FORCE_REFERENCE set?)")
     calls = []
 
     def counting(*args):
         calls.append(1)
-        return launch.state_update(*args)
+        return decode.state_update(*args)
 
     monkeypatch.setattr(kernels, "state_update", counting)
     kw = make_inputs(D="hp", z=True)

@@ -1,7 +1,7 @@
 """One public call under the profiler's start/stop markers, for Nsight Compute, as a script:
 
     ncu --clock-control none --profile-from-start off --set full -o OUT/scan \
-        python tests/gpu/ncu_scan.py --shape 16K:128 --chunk 256
+        python measure/ncu_scan.py --shape 16K:128 --chunk 256 [--backward] [--peer NAME]
 
 Warm-up calls (JIT compiles, allocator) run before cudaProfilerStart, so only the timed call's kernels are
 profiled. Shape as profile_scan.py: B=1, H=80, P=64, G=1, bf16 x/B/C, fp32 dt, D, initial and final states.
@@ -14,27 +14,20 @@ calls run before profiling starts).
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_cases import forward_and_backward, scan_case  # noqa: E402
-
-from m2ops.bench.shapes import parse_sizes  # noqa: E402
+import harness  # first of the local imports: it puts tests/gpu (gpu_cases) and the repository on sys.path
+from gpu_cases import forward_and_backward, scan_case
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="16K:128")
-    ap.add_argument("--chunk", type=int, default=256)
+    ap = harness.parser(__doc__)
+    harness.add_shapes(ap, "16K:128", one=True)
+    harness.add_chunk(ap)
     ap.add_argument("--backward", action="store_true", help="profile forward + backward")
     ap.add_argument("--peer", default=None, help="a peer of m2ops.bench (e.g. tilegym-tuned, mamba_ssm-c256)")
     args = ap.parse_args()
-    t_s, n_s = args.shape.split(":")
-    seqlen, dstate = parse_sizes(t_s)[0], int(n_s)
+    seqlen, dstate = args.shape.seqlen, args.shape.dstate
     if args.peer:
         from m2ops.bench import peers
         from m2ops.bench.shapes import Shape

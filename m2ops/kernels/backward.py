@@ -1,8 +1,8 @@
 """Launchers of the backward kernels, with the reference backward functions' signatures (chunked_backward.py):
 outputs in their inputs' dtypes, contiguous, never aliasing an input; no host synchronisation.
 
-What runs the reference instead: float64, unsupported chunk sizes, and (fwd_pass_state_bwd) a non-empty
-g_varlen with cu_seqlens (the per-sequence states' backward has no kernel yet).
+Callers have decided that the kernels serve the inputs (ops.dispatch.kernels_serve; the fwd_pass_state_bwd op also
+keeps a non-empty g_varlen with cu_seqlens, whose backward has no kernel yet, on the reference).
 
 m2ops/kernels/__init__.py exports these as the CUDA implementations of the *_bwd ops; tests/tile_emulator.py
 runs them on the CPU in CI (tests/test_kernels_emulated.py) and tests/gpu/test_backward_kernels.py on a GPU.
@@ -14,16 +14,16 @@ import functools
 
 import torch
 
-from .. import envvars
 from ..meta.shapes import cb_shape, num_chunks
 from ..reference import chunked_backward as ref_bwd
-from .common import STATE_BLOCKS, TILE_H_BWD, TILE_N, TILE_P, cdiv, sub_block, supported_chunk_size
-from . import launch
-from .launch import (_KERNEL_DTYPES, _as, _common_dtype, _dummy, _kernel_dtype, backward_walk_block,
-                     chunk_cb_constants, compute_out, fwd_pass_state)
+from . import config, runtime
+from .common import STATE_BLOCKS, TILE_H_BWD, TILE_N, TILE_P, cdiv, sub_block
+from .forward import compute_out, fwd_pass_state
+from .runtime import as_dtype, common_dtype, d_per_channel, dtype_name, dummy
+from .specialise import backward_walk_block, chunk_cb_constants, hinted_kernel, state_passing_checks
 
 
-# The backward kernels launched through launch.hinted_kernel (ct.kernel hints from launch's table, keyed by
+# The backward kernels launched through hinted_kernel (ct.kernel hints from launch's table, keyed by
 # their token block): the matrix-heavy ones, whose register use the occupancy hint trades against spills.
 HINTED = ("out_bwd_dx", "out_bwd_dcbw", "out_bwd_dcdb", "out_bwd_dstates", "chunk_state_bwd_x", "chunk_state_bwd_b")
 
@@ -34,19 +34,19 @@ def chunk_cumsum_bwd_constants(chunk_size: int) -> dict:
 
 # gcarry_c = <gS_{c+1}, S_c> in state_passing_bwd's walk (a block sum per chunk, which synchronises the program at
 # every step) or apart from it, in state_carry_grad_kernel over all chunks at once. On an H200 (B=1, H=80, bf16,
-# fwd+bwd ms, tests/gpu/backward_scan.py --variants "separate carry,carry in walk"), apart / in the walk:
+# fwd+bwd ms, measure/backward_scan.py --variants "separate carry,carry in walk"), apart / in the walk:
 # T=64K dstate 64 6.91 / 7.38 (walk block 512), dstate 128 8.43 / 8.40 (block 1024), dstate 256 11.38 / 11.08,
-# dstate 512 18.29 / 17.61, T=16K dstate 512 4.81 / 4.64. None: separate_carry_grad's rule; True / False force
-# one way; M2OPS_BWD_SEPARATE_CARRY=1 / 0 does the same in a process and its bench workers.
-SEPARATE_CARRY_GRAD = envvars.switch("M2OPS_BWD_SEPARATE_CARRY", None)
-# The largest walk block (launch.backward_walk_block) at which the sum is taken apart from the walk.
+# dstate 512 18.29 / 17.61, T=16K dstate 512 4.81 / 4.64. config.current().separate_carry_grad (None: the rule
+# below; M2OPS_BWD_SEPARATE_CARRY=1 / 0 forces one way) decides.
+# The largest walk block (backward_walk_block) at which the sum is taken apart from the walk.
 SEPARATE_CARRY_MAX_BLOCK = 512
 
 
 def separate_carry_grad(block: int) -> bool:
     """Whether gcarry is formed apart from the walk, given the walk's block of state elements per program."""
-    if SEPARATE_CARRY_GRAD is not None:
-        return SEPARATE_CARRY_GRAD
+    forced = config.current().separate_carry_grad
+    if forced is not None:
+        return forced
     return block <= SEPARATE_CARRY_MAX_BLOCK
 
 
@@ -58,10 +58,8 @@ def carry_block(state_elems: int) -> int:
 
 
 def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool = True, check: bool = True) -> dict:
-    """check: bounds-checked loads in the walk without gcarry (launch.state_passing_checks says when needed)."""
-    k = dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
-    k.update(launch.CONSTANT_OVERRIDE.get("state_passing_bwd", {}))
-    return k
+    """check: bounds-checked loads in the walk without gcarry (state_passing_checks says when needed)."""
+    return dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
 
 
 def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
@@ -71,10 +69,6 @@ def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "floa
 
 
 def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    if (dt.dtype not in _KERNEL_DTYPES or g_dt_out.dtype == torch.float64 or A.dtype == torch.float64
-            or not supported_chunk_size(chunk_size)):
-        return ref_bwd.chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softplus, dt_min,
-                                        dt_max)
     b, T, h = dt.shape
     nchunks = num_chunks(T, chunk_size)
     dev = dt.device
@@ -82,11 +76,11 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
     g_dt = torch.empty((b, T, h), dtype=dt.dtype, device=dev)
     g_A_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)
     g_bias_part = torch.empty((b, nchunks, h), dtype=torch.float32, device=dev)
-    A32 = _as(A, torch.float32)
-    bias = _as(dt_bias, torch.float32) if dt_bias is not None else A32
+    A32 = as_dtype(A, torch.float32)
+    bias = as_dtype(dt_bias, torch.float32) if dt_bias is not None else A32
     k = chunk_cumsum_bwd_constants(chunk_size)
-    launch._launch((nchunks * n_hblocks, b, 1), launch.hinted_kernel("chunk_cumsum_bwd", "float32", chunk_size),
-            (_as(g_dt_out, torch.float32), _as(g_dA_cumsum, torch.float32), _as(dt, dt.dtype), A32, bias,
+    runtime.launch((nchunks * n_hblocks, b, 1), hinted_kernel("chunk_cumsum_bwd", "float32", chunk_size),
+            (as_dtype(g_dt_out, torch.float32), as_dtype(g_dA_cumsum, torch.float32), as_dtype(dt, dt.dtype), A32, bias,
              g_dt, g_A_part, g_bias_part,
              T, n_hblocks, int(dt_bias is not None), int(bool(dt_softplus)), float(dt_min), float(dt_max),
              k["L"], k["BH"]))
@@ -99,19 +93,14 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
                        cu_seqlens, states=None, g_x_base=None):
     L = dt_out.shape[-1]
-    if (not _kernel_dtype(x, B, dt_out, dA_cumsum, g_states, g_final) or dt_out.dtype == torch.float64
-            or g_states.dtype == torch.float64 or not supported_chunk_size(L)
-            or (cu_seqlens is not None and g_varlen.numel() > 0)):
-        return ref_bwd.fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states,
-                                          seq_idx, cu_seqlens, states, g_x_base)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nchunks = dt_out.shape[2]
     dev = x.device
-    mma_dtype = _common_dtype(x, B)
-    xk, Bk = _as(x, mma_dtype), _as(B, mma_dtype)
-    dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
-    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
+    mma_dtype = common_dtype(x, B)
+    xk, Bk = as_dtype(x, mma_dtype), as_dtype(B, mma_dtype)
+    dtk, csk = as_dtype(dt_out, torch.float32), as_dtype(dA_cumsum, torch.float32)
+    seq = as_dtype(seq_idx, torch.int32) if seq_idx is not None else dummy(x, torch.int32, 2)
     has_seq = seq_idx is not None
 
     # The entering states (the caller's, else again with the forward kernels), then the reverse recurrence.
@@ -119,45 +108,45 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
     else:
         # float32, or the forward's bfloat16 copy (m2ops/ops/eager.py), which state_passing_bwd widens on load
-        states = (states if states.dtype == torch.bfloat16 else _as(states, torch.float32)).contiguous()
+        states = (states if states.dtype == torch.bfloat16 else as_dtype(states, torch.float32)).contiguous()
     pn = p * n
     blk = backward_walk_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
     g_local = torch.empty((b, nchunks, h, p, n), device=dev,
-                          dtype=getattr(torch, g_local_dtype_name(launch._dtype_name(mma_dtype))))
+                          dtype=getattr(torch, g_local_dtype_name(dtype_name(mma_dtype))))
     separate = separate_carry_grad(blk)
     # gcarry's shares: one per walk block, or one per chunk from state_carry_grad_kernel
     g_carry_part = torch.empty((b, h, nchunks, 1 if separate else n_blocks), dtype=torch.float32, device=dev)
     g_init = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
     # (the walk with gcarry loads bounds-checked whatever the block)
     ks = state_passing_bwd_constants(blk, has_seq, carry_in_walk=not separate,
-                                     check=not separate or launch.state_passing_checks(blk, pn))
-    launch._launch((h * n_blocks, b, 1), launch.hinted_kernel("state_passing_bwd", "float32", L),
-            (states.view(b, nchunks, h, pn), _as(g_states, torch.float32).reshape(b, nchunks, h, pn),
-             _as(g_final, torch.float32).reshape(b, h, pn), csk, seq,
+                                     check=not separate or state_passing_checks(blk, pn))
+    runtime.launch((h * n_blocks, b, 1), hinted_kernel("state_passing_bwd", "float32", L),
+            (states.view(b, nchunks, h, pn), as_dtype(g_states, torch.float32).reshape(b, nchunks, h, pn),
+             as_dtype(g_final, torch.float32).reshape(b, h, pn), csk, seq,
              g_local.view(b, nchunks, h, pn), g_carry_part, g_init.view(b, h, pn),
              T, nchunks, n_blocks, L, ks["BLK"], ks["HAS_SEQ"], ks["GC"], ks["CHK"]))
     if not ks["GC"]:
-        cblk = launch.CONSTANT_OVERRIDE.get("state_carry_grad", {}).get("BLK", carry_block(pn))
-        launch._launch((nchunks * h, b, 1), launch.hinted_kernel("state_carry_grad", "float32", L),
+        cblk = carry_block(pn)
+        runtime.launch((nchunks * h, b, 1), hinted_kernel("state_carry_grad", "float32", L),
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
                  cdiv(pn, cblk), cblk))
 
     # Per token: g_x and g_w (per headdim tile), then g_B per group.
-    k = chunk_state_bwd_constants(L, has_seq, launch._dtype_name(mma_dtype))
+    k = chunk_state_bwd_constants(L, has_seq, dtype_name(mma_dtype))
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
     # Gradients are written in the dtype the kernels compute in and converted to the inputs' at the end (as the
     # forward's y): the kernels' array dtypes stay those of specs.py when x and B differ in dtype.
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
-    hinted = functools.partial(launch.hinted_kernel, dtype=launch._dtype_name(mma_dtype), chunk_size=k["BL"])
-    base = _as(g_x_base, mma_dtype) if g_x_base is not None else _dummy(x, mma_dtype, 4)
-    launch._launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
+    hinted = functools.partial(hinted_kernel, dtype=dtype_name(mma_dtype), chunk_size=k["BL"])
+    base = as_dtype(g_x_base, mma_dtype) if g_x_base is not None else dummy(x, mma_dtype, 4)
+    runtime.launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
             (xk, Bk, dtk, csk, seq, g_local, base, g_x, g_w_part,
              T, h, h // g, n_ptiles, n_ntiles, int(g_x_base is not None),
              L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
-    launch._launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
+    runtime.launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
             (xk, dtk, csk, seq, g_local, g_B,
              T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
 
@@ -167,7 +156,7 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, g_carry_part.sum(-1), carry)
     g_dt = g_dt.to(dt_out.dtype)
     g_cs = g_cs.to(dA_cumsum.dtype)
-    g_x, g_B = _as(g_x, x.dtype), _as(g_B, B.dtype)
+    g_x, g_B = as_dtype(g_x, x.dtype), as_dtype(g_B, B.dtype)
     if initial_states is None:
         return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
     return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
@@ -204,13 +193,6 @@ def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "floa
                 LOWP=g_dtype_name(dtype) == "bfloat16")
 
 
-# Experiment (off; tests/gpu/backward_scan.py --variants "dcbw prefetch"): out_bwd_dcbw loads the next head's G
-# and x tiles while it works on this head's (compute_out_bwd.py, PF). At 64K tokens, 80 heads in one group, a
-# program walks all 80 heads in turn; the kernel took 1.24 ms at 64K/N=64 on an H200, 16% of the backward there.
-# M2OPS_BWD_DCBW_PREFETCH=1 turns it on.
-DCBW_PREFETCH = envvars.switch("M2OPS_BWD_DCBW_PREFETCH", False)
-
-
 # Programs per SM out_bwd_dcbw aims for: its (row block, column block, group) pairs are split over the group's
 # heads until there are this many (at 4K tokens, chunk 256 and one group only 160 pairs hold work).
 DCBW_PROGRAMS_PER_SM = 4
@@ -218,7 +200,7 @@ DCBW_PROGRAMS_PER_SM = 4
 
 def dcbw_split(pairs: int, heads_per_group: int, device) -> int:
     """How many programs share the heads of one (pair, group) in out_bwd_dcbw (each with cdiv(heads, n))."""
-    want = max(1, min(heads_per_group, cdiv(DCBW_PROGRAMS_PER_SM * launch._sm_count(device), max(pairs, 1))))
+    want = max(1, min(heads_per_group, cdiv(DCBW_PROGRAMS_PER_SM * runtime.sm_count(device), max(pairs, 1))))
     return cdiv(heads_per_group, cdiv(heads_per_group, want))
 
 
@@ -227,26 +209,22 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     copy, m2ops/ops/eager.py), read as is: out_bwd_dcdb rounds them to bfloat16 for its product then anyway.
     g_states_dtype: the dtype of the states' gradient (default: the states' own)."""
     L = dt_out.shape[-1]
-    if (not _kernel_dtype(x, C, B, z, dt_out, dA_cumsum, states, g_y) or dt_out.dtype == torch.float64
-            or g_y.dtype == torch.float64 or not supported_chunk_size(L)):
-        out = ref_bwd.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
-        return out if g_states_dtype is None else (*out[:5], out[5].to(g_states_dtype), *out[6:])
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nchunks = dt_out.shape[2]
     dev = x.device
-    mma_dtype = _common_dtype(x, B, C, z)
-    xk, Bk, Ck = _as(x, mma_dtype), _as(B, mma_dtype), _as(C, mma_dtype)
-    dtk, csk = _as(dt_out, torch.float32), _as(dA_cumsum, torch.float32)
-    seq = _as(seq_idx, torch.int32) if seq_idx is not None else _dummy(x, torch.int32, 2)
-    k = compute_out_bwd_constants(L, seq_idx is not None, launch._dtype_name(mma_dtype))
-    sk = states if (states.dtype == torch.bfloat16 and k["LOWP"]) else _as(states, torch.float32)
+    mma_dtype = common_dtype(x, B, C, z)
+    xk, Bk, Ck = as_dtype(x, mma_dtype), as_dtype(B, mma_dtype), as_dtype(C, mma_dtype)
+    dtk, csk = as_dtype(dt_out, torch.float32), as_dtype(dA_cumsum, torch.float32)
+    seq = as_dtype(seq_idx, torch.int32) if seq_idx is not None else dummy(x, torch.int32, 2)
+    k = compute_out_bwd_constants(L, seq_idx is not None, dtype_name(mma_dtype))
+    sk = states if (states.dtype == torch.bfloat16 and k["LOWP"]) else as_dtype(states, torch.float32)
     BL, nb = k["BL"], L // k["BL"]
     n_rblocks = cdiv(T, BL)
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
     consts4 = (L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"])
     consts3 = (L, k["BL"], k["TP"], k["HAS_SEQ"], k["LOWP"])
-    hinted = functools.partial(launch.hinted_kernel, dtype=launch._dtype_name(mma_dtype), chunk_size=BL)
+    hinted = functools.partial(hinted_kernel, dtype=dtype_name(mma_dtype), chunk_size=BL)
 
     # D and z, elementwise: G = dL/dy1 (y1 = the output before the gate, recomputed by compute_out).
     gy = g_y
@@ -255,22 +233,22 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
         y1 = compute_out(x, dt_out, dA_cumsum, C, B, states, D, None, seq_idx).float()
         g_z, gy = ref_bwd.gate_grads(g_y.float(), y1, z.float())
         g_z = g_z.to(z.dtype)
-    G = gy.to(getattr(torch, g_dtype_name(launch._dtype_name(mma_dtype)))).contiguous()
+    G = gy.to(getattr(torch, g_dtype_name(dtype_name(mma_dtype)))).contiguous()
 
     # C . B^T per (chunk, group), as in the forward.
     cb = torch.empty(cb_shape(b, T, g, L), dtype=torch.float32, device=dev)
     kc = chunk_cb_constants(L)
-    launch._launch((n_rblocks * nb, g, b), launch.hinted_kernel("chunk_cb", launch._dtype_name(mma_dtype), L),
+    runtime.launch((n_rblocks * nb, g, b), hinted_kernel("chunk_cb", dtype_name(mma_dtype), L),
                    (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"], kc["DIAG"]))
 
     # g_x, and per headdim tile dx_sums[0] = dt's gradient, dx_sums[1] = the column parts of dA_cumsum's
     # intra-chunk gradient (both zero past the last block the grid covers).
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
-                else _dummy(x, torch.float32, 4))
+                else dummy(x, torch.float32, 4))
     dx_sums = torch.zeros((2, b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
-                   (G, dtk, csk, cb, seq, xk, launch._d_per_channel(D, h, p, x), g_x, g_D_part, dx_sums[0],
+    runtime.launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
+                   (G, dtk, csk, cb, seq, xk, d_per_channel(D, h, p, x), g_x, g_D_part, dx_sums[0],
                     dx_sums[1], T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
     # dCB and the row parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head); the slots
@@ -278,19 +256,18 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     p_cs = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
     n_split = dcbw_split(b * cdiv(n_rblocks * (nb + 1), 2) * g, h // g, dev)
     g_cb_part = torch.empty((b, n_split, nchunks, g, L, L), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
-                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs, T, g, h // g, n_ptiles, n_split, *consts3,
-                    bool(DCBW_PREFETCH)))
+    runtime.launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
+                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs, T, g, h // g, n_ptiles, n_split, *consts3))
     g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_cs_inter = torch.empty((b, h, n_ntiles, n_rblocks * BL), dtype=torch.float32, device=dev)
-    launch._launch((n_rblocks * g * n_ntiles, b, 1), hinted("out_bwd_dcdb"),
+    runtime.launch((n_rblocks * g * n_ntiles, b, 1), hinted("out_bwd_dcdb"),
                    (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, g_cs_inter, T, g, h // g, n_ptiles, n_ntiles, *consts4))
 
     g_S = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
-    launch._launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted("out_bwd_dstates"),
+    runtime.launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted("out_bwd_dstates"),
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     if D is not None:
@@ -303,5 +280,5 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     g_S = g_S.to(g_states_dtype or states.dtype)
-    return (_as(g_x, x.dtype), g_dt, g_cs, _as(g_C, C.dtype), _as(g_B, B.dtype), g_S,
+    return (as_dtype(g_x, x.dtype), g_dt, g_cs, as_dtype(g_C, C.dtype), as_dtype(g_B, B.dtype), g_S,
             g_D if g_D is not None else g_y.new_empty((0,)), g_z if g_z is not None else g_y.new_empty((0,)))

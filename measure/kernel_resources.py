@@ -1,6 +1,6 @@
 """Registers, stack frame and spills of kernel specialisations, built for sm_90 here, without a GPU.
 
-    .venv/bin/python scripts/kernel_resources.py chunk_state,chunk_cb [--match bfloat16,L=256] [--ptx-hash] [--narrow]
+    .venv/bin/python measure/kernel_resources.py chunk_state,chunk_cb [--match bfloat16,L=256] [--ptx-hash] [--narrow]
 
 Each specialisation of m2ops.kernels.specs.all_specs() whose kernel is named (and whose name contains every
 --match string; with --narrow its 32-bit-indexed twin, which the launchers take where the arrays fit) is exported
@@ -8,26 +8,24 @@ to an sm_90 cubin. The cubin carries the PTX tileiras generated (its section
 .nv_debug_ptx_txt); with the line-number directives and the source section dropped, the CUDA wheel's own ptxas
 compiles it again with -v, which prints what the kernel uses. --ptx-hash adds a hash of that PTX, so that two
 trees can be compared: the same hash is the same code. Why: tileiras does not report resources, and the GPU
-machine is not always at hand (docs/performance-log.md v37 used this to read compute_out_carry's spills).
+machine is not always at hand (docs/history.md v37 used this to read compute_out_carry's spills).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import os
 import re
 import struct
 import subprocess
-import sys
 import tempfile
 
-import cuda.tile as ct  # noqa: F401 (cuda.tile must import before cuda.tile.compilation)
 from cuda.tile.compilation import export_kernel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from m2ops.kernels.specs import all_specs  # noqa: E402
+import harness  # first of the local imports: it puts the repository on sys.path
+
+from m2ops.kernels.specs import all_specs
 
 
 def elf_section(blob: bytes, wanted: str) -> bytes:
@@ -85,15 +83,15 @@ def resources(spec) -> tuple[str, str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernels", help="comma-separated kernel names of specs.py (chunk_state, compute_out_carry, ...)")
-    ap.add_argument("--match", default="", help="comma-separated strings each name must contain")
+    ap = harness.parser(__doc__)
+    ap.add_argument("kernels", type=harness.names,
+                    help="comma-separated kernel names of specs.py (chunk_state, compute_out_carry, ...)")
+    ap.add_argument("--match", type=harness.names, default="", help="comma-separated strings each name must contain")
     ap.add_argument("--ptx-hash", action="store_true")
     ap.add_argument("--narrow", action="store_true",
                     help="the 32-bit-indexed twins instead (what the launchers take where the arrays fit)")
     args = ap.parse_args()
-    names = set(args.kernels.split(","))
-    match = [m for m in args.match.split(",") if m]
+    names, match = set(args.kernels), args.match
     for spec in all_specs():
         if spec.narrow != args.narrow or spec.kernel_name not in names or not all(m in spec.name for m in match):
             continue

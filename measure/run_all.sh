@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, each step under its own time limit, results under ${OUT:-gpu-results}/.
-# Usage (on the GPU machine, after `source .device/env.sh`):  bash tests/gpu/run_all.sh [step ...]
+# Usage (on the GPU machine, after `source .device/env.sh`):  bash measure/run_all.sh [step ...]
 # Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
 # and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
-# variants (tests/gpu/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table),
-# backward_profile (tests/gpu/backward_scan.py: the backward's time by kernel), host (tests/gpu/plan_cost.py --ladder:
-# an eager forward's host time, step by step), and the sweeps of docs/validation.md's next GPU run: decode
-# (tests/gpu/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep (graph_scan.py at 1K), backward_sweep
-# (backward_scan.py): the occupancy hints of launch._OCCUPANCY_ANY_CHUNK against none and against occupancy 8.
+# variants (measure/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table),
+# backward_profile (measure/backward_scan.py: the backward's time by kernel), host (measure/plan_cost.py --ladder:
+# an eager forward's host time, step by step), op_times (measure/op_times.py), and the sweeps of
+# docs/validation.md's next GPU run: decode (measure/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep
+# (graph_scan.py at 1K), backward_sweep (backward_scan.py): the occupancy hints of specialise._OCCUPANCY_ANY_CHUNK
+# against none and against occupancy 8.
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
 # that need no timing: e.g. --parallel kernels backward state_update models, about 6 minutes on a fresh H200).
 # The test steps tune into a tuning cache of their own, so that a benchmark run after them on the same machine
 # does not read configurations searched while other suites shared the GPU.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 parallel=0
@@ -43,22 +44,23 @@ step() {
     state_update) run state_update 120 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_state_update_kernel.py ;;
     models) run models 420 env "$TEST_TUNING" python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
     model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
-    profile) run profile 300 python tests/gpu/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
+    profile) run profile 300 python measure/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
     check64) run check64 240 env "$TEST_TUNING" M2OPS_INDEX32=0 python tests/gpu/check_kernels.py ;;
     memcheck64) run memcheck64 200 env "$TEST_TUNING" M2OPS_INDEX32=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;
     kernels64) run kernels64 420 env "$TEST_TUNING" M2OPS_INDEX32=0 M2OPS_GPU_EXAMPLES=8 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py ;;
-    variants) run variants 240 python tests/gpu/variants_scan.py --shapes 16K:128,64K:256,4K:128 --json "$OUT/variants.json" ;;
+    variants) run variants 240 python measure/variants_scan.py --shapes 16K:128,64K:256,4K:128 --json "$OUT/variants.json" ;;
     backward_memcheck) run backward_memcheck 300 env "$TEST_TUNING" PYTORCH_NO_CUDA_MEMORY_CACHING=1 M2OPS_GPU_EXAMPLES=2 compute-sanitizer --tool memcheck python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
-    backward_profile) run backward_profile 240 python tests/gpu/backward_scan.py --shapes 4K:128,16K:128,64K:128 --json "$OUT/backward_profile.json" ;;
+    backward_profile) run backward_profile 240 python measure/backward_scan.py --shapes 4K:128,16K:128,64K:128 --json "$OUT/backward_profile.json" ;;
     profile_table) run profile_table 180 python -m m2ops.bench.profile --backward --rows 30 ;;
-    host) run host 120 python tests/gpu/plan_cost.py --shapes 4K:64,1K:64 --ladder 7 ;;
-    decode) run decode 150 python tests/gpu/decode_scan.py --json "$OUT/decode.json" ;;
-    forward_sweep) run forward_sweep 300 python tests/gpu/variants_scan.py --shapes 64K:64,16K:128,64K:128,4K:64 \
+    op_times) run op_times 300 python measure/op_times.py --json "$OUT/op_times.json" ;;
+    host) run host 120 python measure/plan_cost.py --shapes 4K:64,1K:64 --ladder 7 ;;
+    decode) run decode 150 python measure/decode_scan.py --json "$OUT/decode.json" ;;
+    forward_sweep) run forward_sweep 300 python measure/variants_scan.py --shapes 64K:64,16K:128,64K:128,4K:64 \
         --variants "defaults,chunk_cb no occ,chunk_cb occ 8,defaults" \
         --json "$OUT/forward_sweep.json" ;;
-    graph_sweep) run graph_sweep 180 python tests/gpu/graph_scan.py --shapes 1K:64,1K:256,1K:512 \
+    graph_sweep) run graph_sweep 180 python measure/graph_scan.py --shapes 1K:64,1K:256,1K:512 \
         --variants "defaults,chunk_cb no occ" --json "$OUT/graph_sweep.json" ;;
-    backward_sweep) run backward_sweep 300 python tests/gpu/backward_scan.py --shapes 64K:128,16K:128,64K:64 \
+    backward_sweep) run backward_sweep 300 python measure/backward_scan.py --shapes 64K:128,16K:128,64K:64 \
         --variants "swept no occ,state_carry_grad occ 8,chunk_cumsum_bwd occ 2,chunk_cb occ 8" \
         --json "$OUT/backward_sweep.json" ;;
     *) echo "unknown step $s"; return 2 ;;

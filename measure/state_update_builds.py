@@ -1,19 +1,18 @@
 """state_update's sm_90 builds at several occupancy hints, for the stride classes of chosen decode shapes, as a
 script (no GPU needed: cuTile's export_kernel and cuobjdump):
 
-    python tests/state_update_builds.py [--shapes 50:100,50:128,64:100] [--occupancy 0,2,4,8] [--keep DIR]
+    python measure/state_update_builds.py [--shapes 50:100,50:128,64:100] [--occupancy 0,2,4,8] [--keep DIR]
 
 Each shape is headdim:dstate (batch 3, 8 heads, 1 group, bfloat16 x/B/C/z/dt and state, float32 A, D per
 channel, dt_bias). The arrays' constraints follow the runtime's rule as cuTile's JAX binding states it (a stride
 divisible by 16 bytes or not, a dimension divisible by 16 or not, unit strides constant) with the 32-bit-indexed
 twin that launches of this size take. Per build: registers, stack (spills), shared memory, TMA loads and stores,
-plain global loads and stores, local-memory traffic. docs/performance-log.md v28 reads these for the build that
-computed wrong values at occupancy 4 and 8. cuobjdump: $CUOBJDUMP or the one on PATH.
+plain global loads and stores, local-memory traffic, as a markdown table. docs/history.md v28 reads these
+for the build that computed wrong values at occupancy 4 and 8. cuobjdump: $CUOBJDUMP or the one on PATH.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import shutil
@@ -24,7 +23,9 @@ import cuda.tile as ct
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint,
                                    export_kernel)
 
-from m2ops.kernels import index_width, launch
+import harness  # first of the local imports: it puts the repository on sys.path
+
+from m2ops.kernels import decode, index_width, specialise
 from m2ops.kernels.state_update import state_update_kernel
 
 _BITS = {"bfloat16": 16, "float32": 32}
@@ -55,7 +56,7 @@ def signature(kernel, headdim, dstate, batch=3, nheads=8, ngroups=1):
     arrays = dict(state=_array(bf, state), x=_array(bf, tok), dt=_array(bf, (batch, nheads)),
                   A=_array(f32, (nheads,)), B=_array(bf, bc), C=_array(bf, bc), D=_array(f32, (nheads, headdim)),
                   z=_array(bf, tok), dt_bias=_array(f32, (nheads,)), new_state=_array(bf, state), y=_array(bf, tok))
-    constants = launch.state_update_constants(launch.state_update_tile_n(dstate))
+    constants = decode.state_update_constants(decode.state_update_tile_n(dstate))
     ann = kernel._annotated_function
     out = []
     for name, node in zip(ann.pysig.parameters, ann.parameter_annotations):
@@ -79,7 +80,7 @@ def _opcode(line):
 
 
 def build(occupancy, headdim, dstate, cuobjdump, keep=None):
-    kernel = launch._hinted("state_update", (("occupancy", occupancy),)) if occupancy else state_update_kernel
+    kernel = specialise.hinted("state_update", (("occupancy", occupancy),)) if occupancy else state_update_kernel
     kernel = index_width.narrow_twin(kernel)
     buf = io.BytesIO()
     export_kernel(kernel, [signature(kernel, headdim, dstate)], buf, gpu_code="sm_90", output_format="cubin")
@@ -102,22 +103,20 @@ def build(occupancy, headdim, dstate, cuobjdump, keep=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="50:100,50:128,64:100,64:128")
-    ap.add_argument("--occupancy", default="0,2,4,8")
+    ap = harness.parser(__doc__)
+    harness.add_shapes(ap, "50:100,50:128,64:100,64:128", help="comma-separated headdim:dstate")
+    ap.add_argument("--occupancy", type=harness.sizes, default="0,2,4,8", help="0: no hint")
     ap.add_argument("--keep", default=None, help="directory for the cubins and their SASS")
     args = ap.parse_args()
     cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if not cuobjdump:
         raise SystemExit("cuobjdump not found: set CUOBJDUMP")
-    print("| headdim | dstate | occupancy | registers | stack B | shared B | " + " | ".join(OPS) + " |")
-    print("|---" * (6 + len(OPS)) + "|")
-    for shape in args.shapes.split(","):
-        p, n = map(int, shape.split(":"))
-        for occ in map(int, args.occupancy.split(",")):
-            r = build(occ, p, n, cuobjdump, args.keep)
-            print(f"| {p} | {n} | {r['occupancy']} | {r['registers']} | {r['stack']} | {r['shared']} | "
-                  + " | ".join(str(r[op]) for op in OPS) + " |", flush=True)
+    table = harness.Table([("headdim", "headdim"), ("dstate", "dstate"), ("occupancy", "occupancy"),
+                           ("registers", "registers"), ("stack", "stack B"), ("shared", "shared B"), *OPS])
+    table.header()
+    for p, n, _ in args.shapes:
+        for occ in args.occupancy:
+            table.row(build(occ, p, n, cuobjdump, args.keep))
 
 
 if __name__ == "__main__":
