@@ -810,7 +810,7 @@ def test_chunk_scan_with_entering_states_in_bf16(monkeypatch, seq_idx):
     (torch.bfloat16, True, True, 512, 64), (torch.float32, False, False, None, 32),
     (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])
 def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given_states, carry_block, dstate):
-    """backward.SEPARATE_CARRY_GRAD forced on: state_passing_bwd walks without gcarry and state_carry_grad
+    """separate_carry_grad forced on (the config): state_passing_bwd walks without gcarry and state_carry_grad
     forms it afterwards; every gradient of fwd_pass_state_bwd matches the reference's as with gcarry in the
     walk, also from the forward's bfloat16 entering states (the eager path's). state_carry_grad's loop takes 2
     full blocks (dstate 64: 1024 elements in blocks of 512), one (carry_block's choice) or one half past its end

@@ -58,7 +58,7 @@ def cases(draw):
 def test_backward_kernels_match_reference(kw, separate_carry):
     """separate_carry: gcarry apart from state_passing_bwd's walk (state_carry_grad_kernel) or in it, forced,
     or by backward.separate_carry_grad's rule (None; at these sizes the walk block is the smallest, apart)."""
-    from m2ops.kernels import backward
+    from m2ops.kernels import backward, config
     case = make_case(**kw)
     _, fin_ref, _, mid = reference_forward(case)
     gen = torch.Generator().manual_seed(kw["seed"])
@@ -80,12 +80,8 @@ def test_backward_kernels_match_reference(kw, separate_carry):
     args = (cot(mid["states"]), cot(fin_ref), fin_ref.new_zeros((0, *fin_ref.shape[1:])), case["x"], case["B"],
             mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     poison_allocator()
-    saved = backward.SEPARATE_CARRY_GRAD
-    backward.SEPARATE_CARRY_GRAD = separate_carry
-    try:
+    with config.override(separate_carry_grad=separate_carry):
         got = backward.fwd_pass_state_bwd(*args)
-    finally:
-        backward.SEPARATE_CARRY_GRAD = saved
     want = ref_bwd.fwd_pass_state_bwd(*map(_cpu, args))
     dtype = case["x"].dtype
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):

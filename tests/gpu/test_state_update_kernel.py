@@ -48,8 +48,8 @@ _kernels, _reason = kernels_or_reason()
 if _kernels is not None:
     from m2ops.kernels import decode
 else:
-    launch = None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(launch is None, reason=str(_reason))]
+    decode = None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(decode is None, reason=str(_reason))]
 
 SWEEP = sweep_settings(25)
 
@@ -265,7 +265,7 @@ def test_cuda_graph_decode_steps():
     bufs = {k: v.clone() for k, v in seq0.items()}
     A, D, dt_bias = fixed["A"], fixed["D"], fixed["dt_bias"]
 
-    def decode():
+    def steps_through_buffers():
         ys = []
         for i in range(steps):
             y, new = decode.state_update(state_buf, bufs["x"][i], bufs["dt"][i], A, bufs["B"][i], bufs["C"][i],
@@ -274,7 +274,7 @@ def test_cuda_graph_decode_steps():
             ys.append(y)
         return torch.stack(ys)
 
-    graph, ys_out = captured(decode)  # (compiled before the capture)
+    graph, ys_out = captured(steps_through_buffers)  # (compiled before the capture)
 
     for seed in (1, 2):
         state, seq, _ = fresh(seed)
