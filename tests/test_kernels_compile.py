@@ -1,36 +1,70 @@
 """The kernel specialisations the launchers can launch compile ahead of time, without a GPU.
 
 cuda.tile.compilation runs the cuTile front end (Python to Tile IR bytecode, the same bytecode for every
-architecture) and tileiras (bytecode to a cubin for one architecture). tileiras takes about 3 s a
-specialisation and there are over a thousand, so CI's 90 minutes cannot hold every one for every
-architecture. What is built where:
+architecture, about 0.12 s of CPU a specialisation) and tileiras (bytecode to a cubin for one architecture, 0.3 to
+11 s a specialisation). m2ops.kernels.specs.all_specs() lists each specialisation with 64-bit indexing and its
+32-bit-indexed twin (Spec.narrow), about 1,700 in all: too many to build for three architectures on every CI run.
+Two sets:
 
-- sm_90, the GPU the kernels are tuned and measured on: every specialisation with 64-bit indexing, to a cubin.
-- Every 32-bit-indexed twin (Spec.narrow): through the front end, to bytecode; and those twins that cover
-  every value of every dtype, constant and hint of their kernel, to an sm_90 cubin.
-- sm_80 and sm_100: for each kernel, specialisations that cover every pair of values of its dtypes,
-  constants and hints (larger tiles and wider dtypes first), to a cubin.
+The covering set (the default while the kernels are those of the last full run, see below):
+- sm_80, sm_90 and sm_100: for each kernel, specialisations that together have every value of each of its
+  features (dtype, each constant, each hint, each extra dtype), largest tiles and widest dtypes first, to a cubin;
+- sm_90: the 32-bit-indexed twins chosen the same way, to a cubin;
+- every other specialisation through the front end, to bytecode.
+(About 320 cubins and 1,500 front-end runs: 7.7 minutes on 2 cores with an empty cuTile cache.)
 
-Skipped when cuda.tile (or tileiras) is not installed. A failing test names every specialisation that did
-not build. Builds run in parallel processes (tileiras is single-threaded and cuTile serialises compiles
-within a process); cuTile's disk cache makes repeated runs fast.
+The full set:
+- sm_90, the GPU the kernels are tuned and measured on: every specialisation with 64-bit indexing, to a cubin;
+- sm_80 and sm_100: for each kernel, specialisations that cover every pair of values of its features, to a cubin;
+- the 32-bit-indexed twins as in the covering set (a cubin for those covering each value, bytecode for the rest).
+(About 1,400 cubins: over half an hour on 2 cores.)
+
+Which set runs: the full set when M2OPS_COMPILE_ALL=1, the covering set when M2OPS_COMPILE_ALL=0; unset, the full
+set unless tests/compiled_kernels.sha256 holds the digest of the kernel sources and specialisations now
+(_digest: the modules in m2ops/kernels that define @ct.kernel functions, or a kernel of a specialisation, with
+common.py, index_width.py and specs.py; and every specialisation's name and run-time parameters). A full run in
+which every part passes (and the sources did not change meanwhile) writes that file: after changing a kernel (or
+the specialisations), run
+
+    M2OPS_COMPILE_ALL=1 .venv/bin/python -m pytest -q tests/test_kernels_compile.py
+
+once and commit tests/compiled_kernels.sha256 with the change. Until then CI runs the full set (slow, but no kernel
+source lands without every specialisation built for sm_90), and says so: the run names the set it builds and why,
+on the terminal and in the warnings summary. M2OPS_COMPILE_KERNELS=name,name limits every part to those kernels
+(a quick look at one kernel's full set; such a run records nothing).
+
+Skipped when cuda.tile (or tileiras) is not installed. A failing test names every specialisation that did not
+build. Builds run in one pool of processes over all cores (tileiras is single-threaded and cuTile serialises
+compiles within a process), longest first; cuTile's disk cache makes repeated runs fast. cuTile reads a kernel's
+source file when it compiles it: editing the kernels during a run gives spurious failures.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import inspect
 import io
 import itertools
 import math
 import os
+import re
 import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 ct = pytest.importorskip("cuda.tile", reason="cuda.tile (cuda-tile) is not installed")
 
-# Besides sm_90, whose every specialisation is built.
-COVERED_ARCHS = ("sm_80", "sm_100")
+ARCHS = ("sm_80", "sm_90", "sm_100")
+# Every specialisation is built for this one in a full run; the others get pairwise covers.
+FULL_ARCH = "sm_90"
+RECORD = Path(__file__).with_name("compiled_kernels.sha256")
+RECORD_COMMAND = "M2OPS_COMPILE_ALL=1 .venv/bin/python -m pytest -q tests/test_kernels_compile.py"
+NARROW = f"{FULL_ARCH}-index32"   # the part that builds the 32-bit twins' covering set
+FRONT_END = "front-end"           # the part that lowers every specialisation no other part builds
 
 
 def _tileiras_missing():
@@ -47,30 +81,43 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(_missing is not None, reason=f"tileiras not available: {_missing}")]
 
 
-def _build(index: int, arch: str | None):
-    """Build all_specs()[index] in this (worker) process, to an arch cubin, or to bytecode when arch is None:
-    None, or the error text."""
+# ---------------------------------------------------------------------------------------------------------
+# building, in worker processes
+# ---------------------------------------------------------------------------------------------------------
+
+_WORKER_SPECS = {}
+
+
+def _worker_init():
+    from m2ops.kernels.specs import all_specs
+    _WORKER_SPECS.update((s.name, s) for s in all_specs())
+
+
+def _build(name: str, arch: str | None):
+    """Build the specialisation called name in this (worker) process, to an arch cubin, or to bytecode when arch
+    is None: None, or the error text."""
     from cuda.tile.compilation import export_kernel
 
-    from m2ops.kernels.specs import all_specs
-    spec = all_specs()[index]
     fmt = "tileir_bytecode" if arch is None else "cubin"
     try:
+        spec = _WORKER_SPECS[name]
         export_kernel(spec.kernel, [spec.signature()], io.BytesIO(), gpu_code=arch, output_format=fmt)
     except Exception:  # noqa: BLE001 - reported by the test with the specialisation's name
-        return f"{spec.name} on {arch or 'the front end'}:\n{traceback.format_exc(limit=3)}"
+        return f"{name} on {arch or 'the front end'}:\n{traceback.format_exc(limit=3)}"
     return None
 
 
-def _build_all(indices, arch):
-    from m2ops.kernels.specs import all_specs
-    assert indices
-    workers = max(1, min(os.cpu_count() or 1, 16))
-    with cf.ProcessPoolExecutor(max_workers=workers) as pool:
-        errors = [e for e in pool.map(_build, indices, [arch] * len(indices)) if e is not None]
-    assert not errors, (f"{len(errors)} of {len(indices)} specialisations failed to build:\n" + "\n".join(errors)
-                        + f"\n({len(all_specs())} specialisations in all)")
+def _workers() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 16))
 
+
+# ---------------------------------------------------------------------------------------------------------
+# choosing specialisations
+# ---------------------------------------------------------------------------------------------------------
 
 def _features(spec) -> frozenset:
     """What tells spec apart from the other specialisations of its kernel, as (name, value) items."""
@@ -85,11 +132,12 @@ def _size(spec) -> float:
     return math.prod(ints) * 4 ** wide
 
 
-def covering(indices, order: int) -> list[int]:
-    """Greedily chosen indices of all_specs() among indices such that, for each kernel, every combination
-    of `order` feature values that some specialisation has is had by a chosen one."""
-    from m2ops.kernels.specs import all_specs
-    specs = all_specs()
+def covering(indices, order: int, specs=None) -> list[int]:
+    """Greedily chosen indices of specs (default all_specs()) among indices such that, for each kernel, every
+    combination of `order` feature values that some specialisation has is had by a chosen one."""
+    if specs is None:
+        from m2ops.kernels.specs import all_specs
+        specs = all_specs()
     chosen = []
     by_kernel = {}
     for i in indices:
@@ -106,29 +154,242 @@ def covering(indices, order: int) -> list[int]:
     return sorted(chosen)
 
 
-def _wide():
+def _wide(specs=None):
+    if specs is None:
+        from m2ops.kernels.specs import all_specs
+        specs = all_specs()
+    return [i for i, s in enumerate(specs) if not s.narrow]
+
+
+def _narrow(specs=None):
+    if specs is None:
+        from m2ops.kernels.specs import all_specs
+        specs = all_specs()
+    return [i for i, s in enumerate(specs) if s.narrow]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the last full run built: tests/compiled_kernels.sha256
+# ---------------------------------------------------------------------------------------------------------
+
+def _kernel_sources(specs) -> list[Path]:
+    """The source files whose text decides what the specialisations compile to: every module of m2ops/kernels
+    with a top-level @ct.kernel, the module of each specialised kernel, common.py, index_width.py (the 32-bit
+    twins) and specs.py (the signatures)."""
+    import m2ops.kernels
+    kdir = Path(m2ops.kernels.__file__).resolve().parent
+    files = {kdir / "common.py", kdir / "index_width.py", kdir / "specs.py"}
+    files |= {p for p in kdir.glob("*.py") if re.search(r"^@ct\.kernel\b", p.read_text(encoding="utf-8"), re.M)}
+    one_each = {s.kernel_name: s for s in specs}.values()
+    files |= {Path(inspect.getsourcefile(s.wide_kernel._pyfunc)).resolve() for s in one_each}
+    return sorted(files)
+
+
+def _digest(specs, files=None, root=None) -> str:
+    """sha256 over the kernel sources' text (files, default _kernel_sources(specs), as paths relative to root,
+    default the directory above m2ops, and contents, line endings normalised) and every specialisation's name and
+    run-time parameters, sorted."""
+    import m2ops
+    root = root or Path(m2ops.__file__).resolve().parent.parent
+    h = hashlib.sha256(b"m2ops compiled kernels 1\n")
+    for path in (_kernel_sources(specs) if files is None else files):
+        rel = path.relative_to(root).as_posix()
+        text = path.read_bytes().replace(b"\r\n", b"\n")
+        h.update(f"{rel}\0{len(text)}\0".encode())
+        h.update(text)
+    for line in sorted(f"{s.name}\0{s.params!r}\n" for s in specs):
+        h.update(line.encode())
+    return h.hexdigest()
+
+
+def _recorded(path: Path | None = None) -> str | None:
+    """The digest path (default RECORD) holds (its first line that is not a # comment), or None when there is no
+    such file."""
+    path = path or RECORD
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return lines[0].split()[0] if lines else ""
+
+
+def _record(digest: str, path: Path) -> None:
+    try:
+        from importlib.metadata import version
+        built_with = f"cuda-tile {version('cuda-tile')}"
+    except Exception:  # noqa: BLE001 - only informative
+        built_with = "cuda-tile (version unknown)"
+    text = (f"# sha256 of the kernel sources and specialisations that the last full run of\n"
+            f"# tests/test_kernels_compile.py built ({built_with}); written by that run. While it matches, CI\n"
+            f"# builds only the covering sets. After a kernel change: {RECORD_COMMAND}\n"
+            f"{digest}\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan of a run
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    specs: list
+    full: bool
+    why: str                   # why this set
+    digest: str
+    subset: tuple = ()         # M2OPS_COMPILE_KERNELS, when set: a run that records nothing
+    # part name -> (arch, or None for the front end, indices of specs, what they are)
+    parts: dict = field(default_factory=dict)
+    passed: set = field(default_factory=set)
+
+    def describe(self) -> str:
+        cubins = sum(len(ix) for arch, ix, _ in self.parts.values() if arch is not None)
+        kinds = "; ".join(f"{p}: {len(ix)} ({what})" for p, (_, ix, what) in self.parts.items())
+        return (f"{'full' if self.full else 'covering'} set, {cubins} cubins ({self.why}). {kinds}")
+
+
+def _choose(specs, full: bool) -> dict:
+    wide, narrow = _wide(specs), _narrow(specs)
+    parts = {}
+    for arch in ARCHS:
+        if full and arch == FULL_ARCH:
+            parts[arch] = (arch, wide, "every specialisation")
+        elif full:
+            parts[arch] = (arch, covering(wide, 2, specs), "each pair of values of each kernel's features")
+        else:
+            parts[arch] = (arch, covering(wide, 1, specs), "each value of each kernel's features")
+    parts[NARROW] = (FULL_ARCH, covering(narrow, 1, specs), "32-bit twins, each value of each kernel's features")
+    built = set().union(*(ix for _, ix, _ in parts.values()))
+    parts[FRONT_END] = (None, [i for i in range(len(specs)) if i not in built], "the rest, to bytecode")
+    return parts
+
+
+def make_plan(specs, recorded: str | None, forced: bool | None = None, subset: tuple = ()) -> Plan:
+    """What to build: forced is M2OPS_COMPILE_ALL (None when unset), subset M2OPS_COMPILE_KERNELS's names."""
+    digest = _digest(specs)
+    name = RECORD.name
+    if recorded == digest:
+        state = f"tests/{name} matches the kernel sources and specialisations"
+    elif recorded is None:
+        state = f"tests/{name} is missing"
+    else:
+        state = (f"the kernel sources or specialisations changed since the last full run "
+                 f"(tests/{name}: {recorded[:12]}, now {digest[:12]})")
+    if forced is True:
+        full, why = True, "M2OPS_COMPILE_ALL=1"
+    elif forced is False:
+        full, why = False, f"M2OPS_COMPILE_ALL=0; {state}"
+    else:
+        full, why = recorded != digest, state
+    subset = tuple(subset)
+    if subset:
+        unknown = sorted(set(subset) - {s.kernel_name for s in specs})
+        if unknown:
+            raise ValueError(f"M2OPS_COMPILE_KERNELS names no kernel called {', '.join(unknown)}")
+        why += f"; only {', '.join(subset)} (M2OPS_COMPILE_KERNELS)"
+    parts = _choose(specs, full)
+    if subset:
+        parts = {p: (arch, [i for i in ix if specs[i].kernel_name in subset], what)
+                 for p, (arch, ix, what) in parts.items()}
+    return Plan(specs, full, why, digest, subset, parts)
+
+
+def _announce(request, text: str):
+    """text on the terminal now, past pytest's output capture (and -q)."""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    if reporter is None:
+        return
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            reporter.ensure_newline()
+            reporter.write_line(text)
+    else:
+        reporter.write_line(text)
+
+
+def finish(plan: Plan, path: Path | None = None) -> str | None:
+    """After the module: records the digest in path (default RECORD) when a full run of every part passed; what
+    to tell, if anything."""
+    path = path or RECORD
+    if not plan.full:
+        return None
+    missing = [p for p in plan.parts if p not in plan.passed]
+    if missing:
+        return (f"test_kernels_compile: the full set was not recorded in tests/{path.name}: "
+                f"{', '.join(missing)} did not run or did not pass")
+    if plan.subset:
+        return (f"test_kernels_compile: nothing recorded (M2OPS_COMPILE_KERNELS limits the run); "
+                f"to record: {RECORD_COMMAND}")
+    if _recorded(path) == plan.digest:
+        return None
+    _record(plan.digest, path)
+    return (f"test_kernels_compile: every part of the full set built; recorded {plan.digest[:12]} in "
+            f"tests/{path.name}: commit it with the kernel change")
+
+
+@pytest.fixture(scope="module")
+def plan(request):
     from m2ops.kernels.specs import all_specs
-    return [i for i, s in enumerate(all_specs()) if not s.narrow]
+    from m2ops import envvars
+    subset = tuple(n.strip() for n in os.environ.get("M2OPS_COMPILE_KERNELS", "").split(",") if n.strip())
+    p = make_plan(all_specs(), _recorded(), envvars.switch("M2OPS_COMPILE_ALL", None), subset)
+    text = f"test_kernels_compile: building the {p.describe()}"
+    if p.full and not p.subset:
+        text += (f". A run in which every part passes records the digest in tests/{RECORD.name}: commit that file "
+                 f"with the kernel change, and CI builds only the covering sets (to record: {RECORD_COMMAND})")
+    _announce(request, text)
+    if p.full and not p.subset and p.why != "M2OPS_COMPILE_ALL=1":
+        warnings.warn(text, UserWarning, stacklevel=1)
+    yield p
+    note = finish(p)
+    if note:
+        _announce(request, note)
 
 
-def _narrow():
-    from m2ops.kernels.specs import all_specs
-    return [i for i, s in enumerate(all_specs()) if s.narrow]
+@pytest.fixture(scope="module")
+def pool():
+    with cf.ProcessPoolExecutor(max_workers=_workers(), initializer=_worker_init) as executor:
+        yield executor
 
+
+def _build_part(plan: Plan, pool, part: str):
+    arch, indices, what = plan.parts[part]
+    if not indices:
+        pytest.skip(f"{part}: nothing to build ({plan.why})")
+    specs = plan.specs
+    order = sorted(indices, key=lambda i: -_size(specs[i]))  # the longest builds first
+    names = [specs[i].name for i in order]
+    chunk = 1 if arch is not None else max(1, len(names) // (8 * _workers()))
+    errors = [e for e in pool.map(_build, names, itertools.repeat(arch), chunksize=chunk) if e is not None]
+    assert not errors, (f"{len(errors)} of {len(names)} specialisations ({what}) failed to build for "
+                        f"{arch or 'the front end'}:\n" + "\n".join(errors)
+                        + f"\n({len(specs)} specialisations in all; this run: the {plan.describe()})")
+    plan.passed.add(part)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------------------
 
 def test_specialisations_are_enumerated():
+    """Names are unique, every signature is well formed, and the specialised kernels are exactly the kernels
+    that m2ops/kernels defines (a kernel without specialisations would never be built here)."""
+    import importlib
+
+    import m2ops.kernels
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    kinds = {s.kernel_name for s in specs}
-    assert kinds == {"chunk_cumsum", "chunk_state", "chunk_state_cb", "chunk_state_cumsum_cb", "chunk_state_pass",
-                     "state_passing",
-                     "varlen_states", "chunk_cb", "compute_out",
-                     "compute_out_carry",
-                     "state_update", "segment_state", "segment_out", "chunk_cumsum_bwd", "state_passing_bwd", "state_carry_grad",
-                     "chunk_state_bwd_x", "chunk_state_bwd_b", "out_bwd_dx", "out_bwd_dcbw",
-                     "out_bwd_dcdb", "out_bwd_dstates"}
+    defined = set()
+    for path in _kernel_sources(specs):
+        module = importlib.import_module(f"{m2ops.kernels.__name__}.{path.stem}")
+        defined |= {v._pyfunc.__name__ for v in vars(module).values()
+                    if isinstance(v, ct.kernel) and v._pyfunc.__module__ == module.__name__}
+    assert {s.wide_kernel._pyfunc.__name__ for s in specs} == defined
     for s in specs:
         s.signature()  # every signature is well formed for its kernel
 
@@ -137,26 +398,82 @@ def test_covering_sets_cover():
     """covering() leaves no value, or pair of values, of any kernel's features unbuilt."""
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
-    wide = _wide()
-    for order in (1, 2):
-        chosen = covering(wide, order)
-        assert len(chosen) < len(wide)
-        for name in {specs[i].kernel_name for i in wide}:
-            def combos(idx):
-                return {c for i in idx if specs[i].kernel_name == name
-                        for c in itertools.combinations(sorted(_features(specs[i])), order)}
-            assert combos(chosen) == combos(wide), name
+    for indices, orders in ((_wide(specs), (1, 2)), (_narrow(specs), (1,))):
+        for order in orders:
+            chosen = covering(indices, order, specs)
+            assert len(chosen) < len(indices)
+            for name in {specs[i].kernel_name for i in indices}:
+                def combos(idx):
+                    return {c for i in idx if specs[i].kernel_name == name
+                            for c in itertools.combinations(sorted(_features(specs[i])), order)}
+                assert combos(chosen) == combos(indices), name
 
 
-def test_every_specialisation_compiles_for_sm_90():
-    _build_all(_wide(), "sm_90")
+def test_plans_build_every_specialisation(tmp_path):
+    """Both sets put every specialisation through the front end at least (a cubin implies it), each
+    architecture gets a cover of each kernel, and only a full run of every part records, in either case the
+    digest that selects the covering set next time."""
+    from m2ops.kernels.specs import all_specs
+    specs = all_specs()
+    digest = _digest(specs)
+    cover = make_plan(specs, digest)
+    full = make_plan(specs, None)
+    assert not cover.full and full.full and "missing" in full.why
+    assert make_plan(specs, "0" * 64).full
+    assert make_plan(specs, digest, forced=True).full
+    assert not make_plan(specs, None, forced=False).full
+    assert full.parts[FULL_ARCH][1] == _wide(specs)
+    for p in (cover, full):
+        assert set(p.parts) == {*ARCHS, NARROW, FRONT_END}
+        cubins = set().union(*(ix for part, (_, ix, _) in p.parts.items() if part != FRONT_END))
+        assert cubins.isdisjoint(p.parts[FRONT_END][1])
+        assert cubins | set(p.parts[FRONT_END][1]) == set(range(len(specs)))
+        for arch in ARCHS:
+            assert {specs[i].kernel_name for i in p.parts[arch][1]} == {s.kernel_name for s in specs if not s.narrow}
+    one = make_plan(specs, None, subset=("chunk_cumsum",))
+    assert {specs[i].kernel_name for _, ix, _ in one.parts.values() for i in ix} == {"chunk_cumsum"}
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        make_plan(specs, None, subset=("no_such_kernel",))
+
+    path = tmp_path / RECORD.name
+    full.passed = set(full.parts) - {NARROW}
+    assert "did not run or did not pass" in finish(full, path) and _recorded(path) is None
+    one.passed = set(one.parts)
+    assert "nothing recorded" in finish(one, path) and _recorded(path) is None
+    cover.passed = set(cover.parts)
+    assert finish(cover, path) is None and _recorded(path) is None
+    full.passed = set(full.parts)
+    assert "recorded" in finish(full, path) and _recorded(path) == digest
+    assert not make_plan(specs, _recorded(path)).full
 
 
-def test_every_narrow_twin_lowers_and_a_covering_set_compiles_for_sm_90():
-    _build_all(_narrow(), None)
-    _build_all(covering(_narrow(), 1), "sm_90")
+def test_digest_follows_the_kernel_sources(tmp_path):
+    """Every specialised kernel's module is hashed, and the digest changes with the specialisation list and with
+    the sources' text."""
+    from m2ops.kernels.specs import all_specs
+    specs = all_specs()
+    files = _kernel_sources(specs)
+    names = {p.name for p in files}
+    assert {"common.py", "index_width.py", "specs.py"} <= names
+    for s in {s.kernel_name: s for s in specs}.values():
+        assert Path(inspect.getsourcefile(s.wide_kernel._pyfunc)).resolve() in files, s.kernel_name
+    assert _digest(specs) == _digest(list(reversed(specs)))
+    assert _digest(specs) != _digest(specs[1:])
+    source = tmp_path / "kernel.py"
+    source.write_text("@ct.kernel\ndef k(a):\n    pass\n")
+    before = _digest(specs, [source], tmp_path)
+    source.write_text("@ct.kernel\ndef k(a):\n    return\n")
+    assert _digest(specs, [source], tmp_path) != before
 
 
-@pytest.mark.parametrize("arch", COVERED_ARCHS)
-def test_covering_specialisations_compile(arch):
-    _build_all(covering(_wide(), 2), arch)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_specialisations_compile(arch, plan, pool):
+    _build_part(plan, pool, arch)
+
+
+def test_index32_twins_compile_for_sm_90(plan, pool):
+    _build_part(plan, pool, NARROW)
+
+
+def test_every_other_specialisation_lowers(plan, pool):
+    _build_part(plan, pool, FRONT_END)
