@@ -11,7 +11,7 @@ occupancy to k for every build (harness.hints). y and the new state of every set
 bit (the hint changes the schedule, not the arithmetic); a row says when not.
 
 Then each occupancy runs the example of tests/gpu/test_state_update_kernel.py (ODD_CASE) that occupancy 4 and 8
-got wrong on the H200 (seventeenth session: batch 3, 8 heads, headdim 50, dstate 100, bfloat16 state and D per channel),
+got wrong on the H200 (2026-12-02: batch 3, 8 heads, headdim 50, dstate 100, bfloat16 state and D per channel),
 against the reference: a row with its relative errors and the count of outputs left unwritten (NaN: the
 allocator is poisoned). A hint is fit for the launcher's table (m2ops/kernels/specialise.py) only where that row is
 right too.

@@ -1,5 +1,5 @@
-"""Why an eager call can take longer than its kernels, as a script (the 4K/N=512 question of docs/benchmarks.md,
-thirteenth session):
+"""Why an eager call can take longer than its kernels, as a script (the 4K/N=512 question of docs/history.md,
+"The host path", 2026-12-01):
 
     python measure/eager_scan.py [--shapes 4K:512,4K:64] [--blocks default,512,4096] [--json OUT]
 

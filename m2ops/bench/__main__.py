@@ -108,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--headdim", type=pos, default=64, help="channels per head")
     p.add_argument("--ngroups", type=pos, default=1, help="groups of heads sharing B and C; must divide --nheads")
     # 256: the kernels' tables are tuned for it (occupancy, bfloat16 local states) and every measurement in
-    # docs/benchmarks.md uses it; at 128 m2ops is up to 1.5x slower from 16K up (nineteenth session).
+    # docs/benchmarks.md uses it; at 128 m2ops is up to 1.5x slower from 16K up (H200, 2026-12-01).
     p.add_argument("--chunk-size", type=pos, default=256, help="m2ops's chunk size")
     p.add_argument("--runs", type=pos, default=100, help="timed runs per point (median reported)")
     p.add_argument("--warmup", type=integer(0), default=10, help="untimed runs per point before the timed ones")
