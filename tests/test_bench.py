@@ -1,9 +1,18 @@
 """The benchmark harness on the CPU: a worker process per peer (restarted after a failure or a timeout), errors
-recorded, resume keeps measured points."""
+recorded, resume keeps measured points.
 
+Most tests here read what one bench run wrote. Those run main() in this process (its peers still run in worker
+processes of their own) through the module's `bench_run`, which runs each command line once and hands the same
+run to every test that asks for it. The tests of process behaviour (fresh workers, timeouts, --gpus) start the
+command line itself, or a Pool."""
+
+import contextlib
+import io
 import json
+import shutil
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -11,16 +20,64 @@ from m2ops.bench.pool import Pool
 from m2ops.bench.shapes import Shape
 
 
+# One small point on the CPU; the tests add the peers and options.
+_ARGS = ("--seqlens", "100", "--dstates", "16", "--nheads", "2", "--headdim", "8", "--dtype", "float32", "--runs", "2",
+         "--warmup", "1", "--device", "cpu", "--chunk-size", "32")
+
+
 def _bench(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "m2ops.bench", "--seqlens", "100", "--dstates", "16", "--nheads", "2",
-           "--headdim", "8", "--dtype", "float32", "--runs", "2", "--warmup", "1", "--device", "cpu",
-           "--chunk-size", "32", "--out", str(tmp_path), *extra]
+    """`python -m m2ops.bench` in a process of its own: (results, stdout)."""
+    cmd = [sys.executable, "-m", "m2ops.bench", *_ARGS, "--out", str(tmp_path), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     return json.loads((tmp_path / "results.json").read_text()), out.stdout
 
 
-def test_bench_records_times_and_peer_errors(tmp_path):
-    results, table = _bench(tmp_path, "--peers", "m2ops,tilegym")
+class Run(NamedTuple):
+    results: list  # results.json
+    table: str  # stdout
+    err: str  # stderr
+    out: object  # the --out directory (pathlib.Path)
+
+
+def _bench_here(out, *extra) -> Run:
+    """The bench's main() in this process (each peer still in a worker process), stdout and stderr captured."""
+    from m2ops.bench.__main__ import main
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        main([*_ARGS, "--out", str(out), *extra])
+    return Run(json.loads((out / "results.json").read_text()), stdout.getvalue(), stderr.getvalue(), out)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """bench_run(*extra) -> Run of `python -m m2ops.bench <_ARGS> *extra`, run once per module for each distinct
+    extra; results are read back from the file at each call, so no test sees another's changes to them. A test
+    that runs the bench again in the same --out (--resume) copies the directory first."""
+    runs = {}
+
+    def run(*extra):
+        if extra not in runs:
+            runs[extra] = _bench_here(tmp_path_factory.mktemp("bench"), *extra)
+        r = runs[extra]
+        return r._replace(results=json.loads((r.out / "results.json").read_text()))
+
+    return run
+
+
+# The runs that several tests read:
+# m2ops beside two peers that cannot run on the CPU (named, so recorded as failed);
+_CANNOT = ("--peers", "m2ops,tilegym,mamba_ssm-c64-graph")
+# m2ops and its untuned twin, the twin only at one of the two points;
+_TWINS = ("--peers", "m2ops,m2ops-default", "--seqlens", "64,100", "--peer-points", "m2ops-default=100:16")
+# the forward's errors against the reference and its time per kernel, at the same point;
+_CHECK_KERNELS = ("--peers", "m2ops", "--check", "--kernels")
+# --backward with --check: the backward mode's times and its gradient errors.
+_BACKWARD = ("--peers", "m2ops", "--backward", "--check")
+# and bench_run() with no options: the default peers (on the CPU: m2ops alone).
+
+
+def test_bench_records_times_and_peer_errors(bench_run):
+    results, table, _, _ = bench_run(*_CANNOT)
     by_peer = {r["peer"]: r for r in results}
     assert by_peer["m2ops"]["ms"] > 0
     # TileGym is not installed on the CPU machine (and needs a GPU): its failure is a row, not a crash.
@@ -28,9 +85,9 @@ def test_bench_records_times_and_peer_errors(tmp_path):
     assert "| 100 | 16 |" in table and "fails:" in table
 
 
-def test_bench_compares_tuned_with_the_default(tmp_path):
+def test_bench_compares_tuned_with_the_default(bench_run):
     """m2ops-default (no search, no stored winner) beside m2ops: both timed, and the table's ratio column."""
-    results, table = _bench(tmp_path, "--peers", "m2ops,m2ops-default")
+    results, table, _, _ = bench_run(*_TWINS)
     by_peer = {r["peer"]: r for r in results}
     assert by_peer["m2ops"]["ms"] > 0 and by_peer["m2ops-default"]["ms"] > 0
     head = next(line for line in table.splitlines() if line.startswith("| T |"))
@@ -96,9 +153,12 @@ def test_pool_timeout_holds_while_a_worker_prints_without_a_newline():
     assert time.monotonic() - t0 < 20 and not w.alive()
 
 
-def test_bench_resume_keeps_measured_points(tmp_path):
-    first, _ = _bench(tmp_path, "--peers", "m2ops")
-    again, _ = _bench(tmp_path, "--peers", "m2ops", "--resume")
+def test_bench_resume_keeps_measured_points(bench_run, tmp_path):
+    """The default peers' run (on the CPU: m2ops), run again with --resume in a copy of its directory."""
+    run = bench_run()
+    shutil.copytree(run.out, tmp_path / "out")
+    first = run.results
+    again = _bench_here(tmp_path / "out", "--resume").results
     assert again == first  # nothing re-run
 
 
@@ -109,18 +169,18 @@ def test_floor_is_bandwidth_bound_at_the_protocol_shape():
     assert s.bytes_moved() / 4.3e12 > s.flops() / 790e12
 
 
-def test_bench_backward_mode_times_forward_and_backward(tmp_path):
-    results, table = _bench(tmp_path, "--peers", "m2ops", "--backward")
+def test_bench_backward_mode_times_forward_and_backward(bench_run):
+    results, table, _, out = bench_run(*_BACKWARD)
     (r,) = results
     assert r["mode"] == "fwd+bwd" and r["ms"] > 0
     assert r["floor_ms"] == Shape(seqlen=100, dstate=16, nheads=2, headdim=8, dtype="float32").floor_ms(backward=True)
-    assert "fwd+bwd, ms" in table and (tmp_path / "results-backward.md").exists()
+    assert "fwd+bwd, ms" in table and (out / "results-backward.md").exists()
 
 
-def test_bench_kernels_records_time_per_kernel(tmp_path):
+def test_bench_kernels_records_time_per_kernel(bench_run):
     """--kernels: each point's profile, largest first, names without specialisation suffixes; on the CPU the
-    m2ops call's operators, its custom ops among them."""
-    results, table = _bench(tmp_path, "--peers", "m2ops", "--kernels")
+    m2ops call's operators, its custom ops among them. Without it (the default peers' run): no profile."""
+    results, table, _, _ = bench_run(*_CHECK_KERNELS)
     (r,) = results
     times = r["kernel_ms"]
     ranked = [ms for name, ms in times.items() if name != "(others)"]
@@ -128,7 +188,7 @@ def test_bench_kernels_records_time_per_kernel(tmp_path):
     assert len(ranked) <= 12 and any(name.startswith("m2ops::") for name in times)
     top = next(iter(times))
     assert "per kernel (--kernels)" in table and f"| 100 | 16 | m2ops | {r['ms']:.3f} | {top} " in table
-    results, table = _bench(tmp_path / "plain", "--peers", "m2ops")
+    results, table, _, _ = bench_run()
     assert "kernel_ms" not in results[0] and "per kernel" not in table
 
 
@@ -151,8 +211,8 @@ def test_backward_build_returns_every_gradient():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_bench_check_reports_m2ops_errors_against_the_reference(tmp_path):
-    results, table = _bench(tmp_path, "--peers", "m2ops", "--check")
+def test_bench_check_reports_m2ops_errors_against_the_reference(bench_run):
+    results, table, _, _ = bench_run(*_CHECK_KERNELS)
     (r,) = results
     assert r["err_y"] < 1e-5 and r["err_final"] < 1e-5  # float32 on the CPU: the reference itself
     assert "m2ops error y / final" in table
@@ -181,10 +241,9 @@ def test_bench_rejects_bad_gpu_lists():
             parse_args(["--gpus", bad])
 
 
-def test_bench_runs_a_peer_only_at_its_points(tmp_path):
+def test_bench_runs_a_peer_only_at_its_points(bench_run):
     """--peer-points: m2ops-default at one point of the grid, m2ops at all of them."""
-    results, table = _bench(tmp_path, "--peers", "m2ops,m2ops-default", "--seqlens", "64,100",
-                            "--peer-points", "m2ops-default=100:16")
+    results, table, _, _ = bench_run(*_TWINS)
     assert sorted((r["peer"], r["shape"]["seqlen"]) for r in results) == [
         ("m2ops", 64), ("m2ops", 100), ("m2ops-default", 100)]
     assert all(r["ms"] > 0 for r in results)
@@ -201,8 +260,8 @@ def test_bench_parses_peer_points():
             parse_args(["--peer-points", bad])
 
 
-def test_bench_backward_check_reports_gradient_errors(tmp_path):
-    results, table = _bench(tmp_path, "--peers", "m2ops", "--check", "--backward")
+def test_bench_backward_check_reports_gradient_errors(bench_run):
+    results, table, _, _ = bench_run(*_BACKWARD)
     (r,) = results
     assert set(r["err_grads"]) == {"x", "dt", "A", "B", "C", "D", "initial_states"}
     assert r["err_grad_max"] == max(r["err_grads"].values()) < 1e-5  # float32 on the CPU: the reference itself
@@ -322,9 +381,9 @@ def test_a_graph_peer_is_compared_with_the_m2ops_graph_replay():
     assert dict(zip(head.split(" | "), row.split(" | ")))["× m2ops-graph vs tilegym-graph"] == ""
 
 
-def test_a_graph_peer_without_a_gpu_is_a_recorded_error(tmp_path):
+def test_a_graph_peer_without_a_gpu_is_a_recorded_error(bench_run):
     """On the CPU a graph twin cannot capture: its row says so, and the eager peer beside it is timed."""
-    results, table = _bench(tmp_path, "--peers", "m2ops,mamba_ssm-c64-graph")
+    results, table, _, _ = bench_run(*_CANNOT)
     by_peer = {r["peer"]: r for r in results}
     assert by_peer["m2ops"]["ms"] > 0 and "error" in by_peer["mamba_ssm-c64-graph"]
     assert "× m2ops-graph vs mamba_ssm-c64-graph" in table
@@ -421,13 +480,9 @@ def test_unavailable_names_a_missing_package(monkeypatch):
     assert peers.unavailable("m2ops-default", "cpu") is None and peers.unavailable("m2ops-graph", "cuda") is None
 
 
-def test_bench_on_the_cpu_skips_the_peers_it_cannot_run(tmp_path):
+def test_bench_on_the_cpu_skips_the_peers_it_cannot_run(bench_run):
     """The default peers on the CPU: m2ops is timed, the others are skipped with a line each, not recorded."""
-    cmd = [sys.executable, "-m", "m2ops.bench", "--seqlens", "100", "--dstates", "16", "--nheads", "2",
-           "--headdim", "8", "--dtype", "float32", "--runs", "2", "--warmup", "1", "--device", "cpu",
-           "--chunk-size", "32", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-    results = json.loads((tmp_path / "results.json").read_text())
+    results, stdout, stderr, _ = bench_run()
     assert [r["peer"] for r in results] == ["m2ops"] and results[0]["ms"] > 0
-    assert "skipping tilegym: " in out.stderr and "skipping m2ops-graph: " in out.stderr
-    assert "fails:" not in out.stdout
+    assert "skipping tilegym: " in stderr and "skipping m2ops-graph: " in stderr
+    assert "fails:" not in stdout

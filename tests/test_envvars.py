@@ -3,6 +3,7 @@ switch, and an error naming the variable for any other value, whether it is read
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -95,33 +96,74 @@ _AT_IMPORT = {
 }
 
 
-def _import_and_print(env: dict) -> subprocess.CompletedProcess:
-    code = ("import m2ops.kernels.config, m2ops.ops.eager\n"
-            f"for expr in {list(_AT_IMPORT.values())!r}:\n"
-            "    print(expr, eval(expr))\n")
+# What a process prints after importing the modules that read the switches: each value, one line per expression.
+_PRINT_VALUES = ("import m2ops.kernels.config, m2ops.ops.eager\n"
+                 f"for expr in {list(_AT_IMPORT.values())!r}:\n"
+                 "    print(expr, eval(expr))\n")
+
+# One interpreter imports torch (the slow part; no m2ops module), then forks a process per environment, which sets
+# it, imports m2ops afresh and runs _PRINT_VALUES: a failure prints its traceback as the interpreter would and exits
+# 1. Prints [exit code, stdout, stderr] of each process, as JSON.
+_FORK_PER_ENV = """
+import json, os, sys, tempfile, traceback
+import torch
+assert not [m for m in sys.modules if m.split(".")[0] == "m2ops"]
+envs, code = json.loads(sys.argv[1]), sys.argv[2]
+done = []
+for env in envs:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ.update(env)
+            status = 0
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        _, wait_status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        done.append([os.waitstatus_to_exitcode(wait_status), out.read(), err.read()])
+print(json.dumps(done))
+"""
+
+
+def _import_and_print(*envs: dict) -> list[subprocess.CompletedProcess]:
+    """For each environment of envs (its M2OPS_ variables, the others unset): the process that imported the
+    modules with it and printed _AT_IMPORT's values, each process importing m2ops for the first time."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("M2OPS_")}
-    return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
-                          timeout=300)
+    run = subprocess.run([sys.executable, "-c", _FORK_PER_ENV, json.dumps(envs), _PRINT_VALUES], env=clean,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return [subprocess.CompletedProcess(["import", env], code, out, err)
+            for env, (code, out, err) in zip(envs, json.loads(run.stdout), strict=True)]
 
 
 def test_switches_read_at_import():
     """Set to "off" (or "on"), each import-time switch gives its value; set to anything else, importing the module
-    fails with an error naming the variable."""
+    fails with an error naming the variable. (Each environment in a process of its own, forked from one
+    interpreter.)"""
     pytest.importorskip("cuda.tile")
-    done = _import_and_print({name: "off" for name in _AT_IMPORT})
-    assert done.returncode == 0, done.stderr
-    got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    bad = [{name: "sometimes"} for name in _AT_IMPORT]
+    off, on, *failed = _import_and_print({name: "off" for name in _AT_IMPORT},
+                                         {"M2OPS_RECOMPUTE_STATES": "on", "M2OPS_BWD_SEPARATE_CARRY": "yes"}, *bad)
+    assert off.returncode == 0, off.stderr
+    got = dict(line.split(" ", 1) for line in off.stdout.strip().splitlines())
     assert got == {"m2ops.kernels.config.current().pdl": "False", "m2ops.kernels.config.current().index32": "False",
                    "m2ops.ops.eager.KEEP_STATES": "True",
                    "m2ops.kernels.config.current().separate_carry_grad": "False"}
-    done = _import_and_print({"M2OPS_RECOMPUTE_STATES": "on", "M2OPS_BWD_SEPARATE_CARRY": "yes"})
-    assert done.returncode == 0, done.stderr
-    got = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert on.returncode == 0, on.stderr
+    got = dict(line.split(" ", 1) for line in on.stdout.strip().splitlines())
     assert got["m2ops.ops.eager.KEEP_STATES"] == "False"
     assert got["m2ops.kernels.config.current().separate_carry_grad"] == "True"
     assert got["m2ops.kernels.config.current().pdl"] == "True"  # unset: the default
-    for name in _AT_IMPORT:
-        done = _import_and_print({name: "sometimes"})
+    for name, done in zip(_AT_IMPORT, failed, strict=True):
         assert done.returncode != 0 and f"ValueError: {name}='sometimes': expected 1 or 0" in done.stderr, name
 
 

@@ -206,7 +206,7 @@ def run(kernel, grid, args, emu: _Emu):
 
 
 # specs.launch_key of every launch run here (unless the config forces chunk_state's heads):
-# tests/test_kernels_emulated.py checks that each is a specialisation the compile test builds.
+# tests/test_emulated_plans.py (the last emulated file) checks that each is a specialisation the compile test builds.
 LAUNCHED: set = set()
 
 

@@ -5,7 +5,7 @@ Callers have decided that the kernels serve the inputs (ops.dispatch.kernels_ser
 keeps a non-empty g_varlen with cu_seqlens, whose backward has no kernel yet, on the reference).
 
 m2ops/kernels/__init__.py exports these as the CUDA implementations of the *_bwd ops; tests/tile_emulator.py
-runs them on the CPU in CI (tests/test_kernels_emulated.py) and tests/gpu/test_backward_kernels.py on a GPU.
+runs them on the CPU in CI (tests/test_emulated_backward.py) and tests/gpu/test_backward_kernels.py on a GPU.
 """
 
 from __future__ import annotations

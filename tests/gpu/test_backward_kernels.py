@@ -4,8 +4,8 @@ through the *_bwd ops, whose CUDA implementations they are) against the referenc
 
     python -m pytest -q -m gpu tests/gpu/test_backward_kernels.py
 
-Tolerances as tests/test_kernels_emulated.py (BWD_TOL, CUMSUM_BWD_TOL), where the same kernels run on the
-CPU emulator in CI. Expected values: the reference on the CPU, on the same (already rounded) inputs.
+Tolerances as the emulated tests' (BWD_TOL in tests/emulated_cases.py, CUMSUM_BWD_TOL in
+tests/test_emulated_backward.py), where the same kernels run on the CPU emulator in CI. Expected values: the reference on the CPU, on the same (already rounded) inputs.
 """
 
 from __future__ import annotations

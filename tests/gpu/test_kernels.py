@@ -284,7 +284,7 @@ def test_fused_cumsum_gives_the_same_results(monkeypatch, seqlen, dstate, walk):
     """config.current().fused_cumsum (chunk_cb's programs and chunk_cumsum's work in chunk_state's launch), planned forward,
     against the separate launches, eager and replayed from a CUDA graph, ten calls each. A missing dependency
     between the fused launch and the kernels after it, or the next call's launch overwriting the scratch early,
-    shows as calls that differ from each other or from the separate launches (tests/test_kernels_emulated.py
+    shows as calls that differ from each other or from the separate launches (tests/test_emulated_plans.py
     checks the arithmetic, not the ordering). The fused launch forms the same cumulative sums in another kernel,
     so its bits may differ in the last place."""
     from m2ops.kernels import planned
