@@ -45,7 +45,7 @@ _memory: dict[str, dict] = {}  # this process's view of the file, plus its own r
 _seen: list = [None]  # (path, modification time) of the file when _memory last read it
 _looked: list = [None, 0.0]  # the path, and time.monotonic(), of the last look at its modification time
 # An absent key looks at the file's modification time at most this often (per path): a forward asks on every
-# call, and the look (os.stat) cost the H200's host about 9 us a call with tuning off (tests/gpu/plan_cost.py).
+# call, and the look (os.stat) cost the H200's host about 9 us a call with tuning off (measure/plan_cost.py).
 RECHECK_S = 0.5
 
 # The folder whose .py files the key's source hash covers (a test points it at a copy).

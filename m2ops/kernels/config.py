@@ -1,8 +1,8 @@
 """The knobs that change what the launchers launch, in one object: `current()`, part of the key of every plan
 the launchers keep, so that a changed knob gives new plans rather than stale ones.
 
-Two of them are user switches read from the environment at import (M2OPS_PDL, M2OPS_INDEX32, README); two are
-the backward's (M2OPS_BWD_SEPARATE_CARRY); the rest force one of the launchers' alternatives where the rules would
+Three of them are user switches read from the environment at import (M2OPS_PDL, M2OPS_INDEX32 and the
+backward's M2OPS_BWD_SEPARATE_CARRY; README); the rest force one of the launchers' alternatives where the rules would
 choose by shape, so that tests (and measurements) can reach every kernel at small sizes:
 
     with config.override(out_carry=False):   # compute_out's column walk wherever it can run

@@ -10,7 +10,7 @@ for one difference (KEEP_STATES below): where the forward wrote bfloat16 enterin
 them instead of recomputing them in float32, which moves the gradients of dt, A and dt_bias by their rounding.
 
 Without gradients the call goes further: kernels.planned.planned_forward keeps, per signature (sizes, dtypes, options,
-device, the launch module's switches), everything chunk_cumsum and chunk_scan decide from their inputs, and a
+device, the launch config: kernels.config.current()), everything chunk_cumsum and chunk_scan decide from their inputs, and a
 repeated call only allocates and launches the same five kernels (same bits; the tuning cache's entry is checked
 every call, so a new or changed entry takes effect as it does for the launchers). A call whose arguments match,
 in everything the checks read, one that passed them and ran a plan goes to that plan first (call_key and
@@ -137,12 +137,12 @@ def scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 # ---- a repeated call without gradients, straight to its plan ----
 # The public call's checks (check_inputs), this module's dispatch (applies, the gradient test) and
 # planned_forward's own signature cost the H200's host about 35 of a planned forward's 117 us at 4K tokens
-# (tests/gpu/plan_cost.py --ladder), against 40 us for the five launches. A call whose key matches one that passed
+# (measure/plan_cost.py --ladder), against 40 us for the five launches. A call whose key matches one that passed
 # all of them and ran a plan (planned.CALL_PLANS) goes to that plan directly. The key holds everything those steps
 # read from the arguments: each tensor's exact type, size, dtype, layout, device and contiguity, and the plain arguments
-# with their types, so an argument check cannot come out differently; what they read from elsewhere (compile,
-# modes, transforms, the profiler, gradient mode and requires_grad, the launch module's switches and profiling
-# overrides, the tuning cache) is looked at on every call.
+# with their types, and the launch config, so an argument check cannot come out differently; what they read from
+# elsewhere (compile, modes, transforms, the profiler, gradient mode and requires_grad, the tuning cache) is looked
+# at on every call.
 
 def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
              return_final_states, return_varlen_states, first=False):
@@ -183,8 +183,7 @@ def call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
 def remembered_call(key, x, dt, A, B, C, D, z, dt_bias, initial_states):
     """(y, final states) from the plan kept under key, or None where the call must take the whole path: no plan
     under key, or something besides the arguments that the path looks at is not as it was (a compile, mode,
-    transform or profiler; a tensor requiring its gradient with gradients on; a profiling override; the tuning
-    cache's entry changed)."""
+    transform or profiler; a tensor requiring its gradient with gradients on; the tuning cache's entry changed)."""
     planned = _LAUNCH[0]
     fp = planned.CALL_PLANS.get(key)
     if fp is None:
