@@ -4,9 +4,9 @@ cuda.tile.compilation runs the cuTile front end (Python to Tile IR bytecode, the
 architecture, about 0.12 s of CPU a specialisation) and tileiras (bytecode to a cubin for one architecture, 0.3 to
 11 s a specialisation). m2ops.kernels.specs.all_specs() lists each specialisation with 64-bit indexing and its
 32-bit-indexed twin (Spec.narrow), about 1,700 in all: too many to build for three architectures on every CI run.
-Two sets:
+Two sets per kernel:
 
-The covering set (the default while the kernels are those of the last full run, see below):
+The covering set (the default while a kernel is as the last full run built it, see below):
 - sm_80, sm_90 and sm_100: for each kernel, specialisations that together have every value of each of its
   features (dtype, each constant, each hint, each extra dtype), largest tiles and widest dtypes first, to a cubin;
 - sm_90: the 32-bit-indexed twins chosen the same way, to a cubin;
@@ -19,19 +19,20 @@ The full set:
 - the 32-bit-indexed twins as in the covering set (a cubin for those covering each value, bytecode for the rest).
 (About 1,400 cubins: over half an hour on 2 cores.)
 
-Which set runs: the full set when M2OPS_COMPILE_ALL=1, the covering set when M2OPS_COMPILE_ALL=0; unset, the full
-set unless tests/compiled_kernels.sha256 holds the digest of the kernel sources and specialisations now
-(_digest: the modules in m2ops/kernels that define @ct.kernel functions, or a kernel of a specialisation, with
-common.py, index_width.py and specs.py; and every specialisation's name and run-time parameters). A full run in
-which every part passes (and the sources did not change meanwhile) writes that file: after changing a kernel (or
-the specialisations), run
+Which set runs, kernel by kernel: tests/compiled_kernels.sha256 holds one digest per kernel (_digests: its module,
+the kernel modules that module imports, common.py and index_width.py, the signature builder, and the name and
+run-time parameters of each of its specialisations). A kernel whose digest is recorded gets the covering set; one
+whose digest differs or is missing gets the full set (for sm_90 every specialisation, for sm_80 and sm_100 every
+pair of values). M2OPS_COMPILE_ALL=1 builds every kernel's full set, M2OPS_COMPILE_ALL=0 only covering sets. A run
+in which every part passes records the digests of the kernels it built in full: after changing a kernel (or its
+specialisations), run
 
-    M2OPS_COMPILE_ALL=1 .venv/bin/python -m pytest -q tests/test_kernels_compile.py
+    M2OPS_COMPILE_ALL=1 M2OPS_COMPILE_KERNELS=name,... .venv/bin/python -m pytest -q tests/test_kernels_compile.py
 
-once and commit tests/compiled_kernels.sha256 with the change. Until then CI runs the full set (slow, but no kernel
-source lands without every specialisation built for sm_90), and says so: the run names the set it builds and why,
-on the terminal and in the warnings summary. M2OPS_COMPILE_KERNELS=name,name limits every part to those kernels
-(a quick look at one kernel's full set; such a run records nothing).
+(M2OPS_COMPILE_KERNELS=name,... limits every part to those kernels; without it, every kernel: over half an hour on
+2 cores) and commit tests/compiled_kernels.sha256 with the change. Until then CI builds that kernel's full set
+(slower, but no kernel source lands without every specialisation built for sm_90), and says so: the run names the
+sets it builds and why, on the terminal and in the warnings summary.
 
 Skipped when cuda.tile (or tileiras) is not installed. A failing test names every specialisation that did not
 build. Builds run in one pool of processes over all cores (tileiras is single-threaded and cuTile serialises
@@ -169,61 +170,84 @@ def _narrow(specs=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# what the last full run built: tests/compiled_kernels.sha256
+# what the last full runs built: tests/compiled_kernels.sha256, one digest per kernel
 # ---------------------------------------------------------------------------------------------------------
 
-def _kernel_sources(specs) -> list[Path]:
-    """The source files whose text decides what the specialisations compile to: every module of m2ops/kernels
-    with a top-level @ct.kernel, the module of each specialised kernel, common.py, index_width.py (the 32-bit
-    twins) and specs.py (the signatures)."""
-    import m2ops.kernels
-    kdir = Path(m2ops.kernels.__file__).resolve().parent
-    files = {kdir / "common.py", kdir / "index_width.py", kdir / "specs.py"}
-    files |= {p for p in kdir.glob("*.py") if re.search(r"^@ct\.kernel\b", p.read_text(encoding="utf-8"), re.M)}
-    one_each = {s.kernel_name: s for s in specs}.values()
-    files |= {Path(inspect.getsourcefile(s.wide_kernel._pyfunc)).resolve() for s in one_each}
+_IMPORT = re.compile(r"^from \.(\w+) import|^from \. import ([\w, ]+)", re.M)
+
+
+def _kernel_files(kernel_name: str, kdir: Path) -> list[Path]:
+    """The source files whose text decides what kernel_name's specialisations compile to: its module, the modules of
+    m2ops/kernels that module imports (transitively: the device helpers it calls), common.py and index_width.py (the
+    32-bit twins)."""
+    from m2ops.kernels.registry import KERNELS
+    files = {kdir / "common.py", kdir / "index_width.py"}
+    todo = [Path(inspect.getsourcefile(KERNELS[kernel_name]._pyfunc)).resolve()]
+    while todo:
+        path = todo.pop()
+        if path in files and path.name not in ("common.py", "index_width.py"):
+            continue
+        files.add(path)
+        for one, many in _IMPORT.findall(path.read_text(encoding="utf-8")):
+            for name in ([one] if one else [n.strip() for n in many.split(",")]):
+                dep = kdir / f"{name}.py"
+                if dep.exists() and dep not in files:
+                    todo.append(dep)
     return sorted(files)
 
 
-def _digest(specs, files=None, root=None) -> str:
-    """sha256 over the kernel sources' text (files, default _kernel_sources(specs), as paths relative to root,
-    default the directory above m2ops, and contents, line endings normalised) and every specialisation's name and
-    run-time parameters, sorted."""
+def _digests(specs, root=None) -> dict:
+    """kernel name -> sha256 over the text of its _kernel_files (as paths relative to root, default the directory
+    above m2ops, line endings normalised), the signature builder (specs._signature) and each of its
+    specialisations' name and run-time parameters, sorted."""
     import m2ops
+    import m2ops.kernels
+    from m2ops.kernels import specs as specs_module
     root = root or Path(m2ops.__file__).resolve().parent.parent
-    h = hashlib.sha256(b"m2ops compiled kernels 1\n")
-    for path in (_kernel_sources(specs) if files is None else files):
-        rel = path.relative_to(root).as_posix()
-        text = path.read_bytes().replace(b"\r\n", b"\n")
-        h.update(f"{rel}\0{len(text)}\0".encode())
-        h.update(text)
-    for line in sorted(f"{s.name}\0{s.params!r}\n" for s in specs):
-        h.update(line.encode())
-    return h.hexdigest()
+    kdir = Path(m2ops.kernels.__file__).resolve().parent
+    signature = inspect.getsource(specs_module._signature).encode()
+    out = {}
+    for name in sorted({s.kernel_name for s in specs}):
+        h = hashlib.sha256(b"m2ops compiled kernel 2\n")
+        h.update(signature)
+        for path in _kernel_files(name, kdir):
+            rel = path.relative_to(root).as_posix()
+            text = path.read_bytes().replace(b"\r\n", b"\n")
+            h.update(f"{rel}\0{len(text)}\0".encode())
+            h.update(text)
+        for line in sorted(f"{s.name}\0{s.params!r}\n" for s in specs if s.kernel_name == name):
+            h.update(line.encode())
+        out[name] = h.hexdigest()
+    return out
 
 
-def _recorded(path: Path | None = None) -> str | None:
-    """The digest path (default RECORD) holds (its first line that is not a # comment), or None when there is no
-    such file."""
+def _recorded(path: Path | None = None) -> dict:
+    """kernel name -> the digest path (default RECORD) holds for it (lines "digest name"; # comments), empty when
+    there is no such file."""
     path = path or RECORD
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return None
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return lines[0].split()[0] if lines else ""
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.lstrip().startswith("#"):
+            out[parts[1]] = parts[0]
+    return out
 
 
-def _record(digest: str, path: Path) -> None:
+def _record(digests: dict, path: Path) -> None:
     try:
         from importlib.metadata import version
         built_with = f"cuda-tile {version('cuda-tile')}"
     except Exception:  # noqa: BLE001 - only informative
         built_with = "cuda-tile (version unknown)"
-    text = (f"# sha256 of the kernel sources and specialisations that the last full run of\n"
-            f"# tests/test_kernels_compile.py built ({built_with}); written by that run. While it matches, CI\n"
-            f"# builds only the covering sets. After a kernel change: {RECORD_COMMAND}\n"
-            f"{digest}\n")
+    text = (f"# sha256 of each kernel's sources and specialisations as the last full run of\n"
+            f"# tests/test_kernels_compile.py built them ({built_with}); written by that run. CI builds the full\n"
+            f"# set of a kernel whose digest differs, the covering set of the others. After a kernel change:\n"
+            f"# {RECORD_COMMAND}   (M2OPS_COMPILE_KERNELS=name,... limits it to those kernels)\n"
+            + "".join(f"{d} {name}\n" for name, d in sorted(digests.items())))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -236,64 +260,72 @@ def _record(digest: str, path: Path) -> None:
 @dataclass
 class Plan:
     specs: list
-    full: bool
+    changed: frozenset         # kernels whose full set this run builds
     why: str                   # why this set
-    digest: str
-    subset: tuple = ()         # M2OPS_COMPILE_KERNELS, when set: a run that records nothing
+    digests: dict
+    subset: tuple = ()         # M2OPS_COMPILE_KERNELS, when set: only these kernels
     # part name -> (arch, or None for the front end, indices of specs, what they are)
     parts: dict = field(default_factory=dict)
     passed: set = field(default_factory=set)
 
+    @property
+    def full(self) -> bool:
+        return bool(self.changed)
+
     def describe(self) -> str:
         cubins = sum(len(ix) for arch, ix, _ in self.parts.values() if arch is not None)
         kinds = "; ".join(f"{p}: {len(ix)} ({what})" for p, (_, ix, what) in self.parts.items())
-        return (f"{'full' if self.full else 'covering'} set, {cubins} cubins ({self.why}). {kinds}")
+        which = (f"the full set of {len(self.changed)} kernel(s), the covering set of the rest" if self.changed
+                 else "the covering set")
+        return f"{which}, {cubins} cubins ({self.why}). {kinds}"
 
 
-def _choose(specs, full: bool) -> dict:
+def _choose(specs, changed) -> dict:
     wide, narrow = _wide(specs), _narrow(specs)
+    full = [i for i in wide if specs[i].kernel_name in changed]
+    rest = [i for i in wide if specs[i].kernel_name not in changed]
     parts = {}
     for arch in ARCHS:
-        if full and arch == FULL_ARCH:
-            parts[arch] = (arch, wide, "every specialisation")
-        elif full:
-            parts[arch] = (arch, covering(wide, 2, specs), "each pair of values of each kernel's features")
+        if arch == FULL_ARCH:
+            cover = full
+            what = "every specialisation of a changed kernel"
         else:
-            parts[arch] = (arch, covering(wide, 1, specs), "each value of each kernel's features")
+            cover = covering(full, 2, specs)
+            what = "each pair of values of a changed kernel's features"
+        what = f"{what}; each value of the others'" if changed else "each value of each kernel's features"
+        parts[arch] = (arch, sorted(cover + covering(rest, 1, specs)), what)
     parts[NARROW] = (FULL_ARCH, covering(narrow, 1, specs), "32-bit twins, each value of each kernel's features")
     built = set().union(*(ix for _, ix, _ in parts.values()))
     parts[FRONT_END] = (None, [i for i in range(len(specs)) if i not in built], "the rest, to bytecode")
     return parts
 
 
-def make_plan(specs, recorded: str | None, forced: bool | None = None, subset: tuple = ()) -> Plan:
+def make_plan(specs, recorded: dict, forced: bool | None = None, subset: tuple = ()) -> Plan:
     """What to build: forced is M2OPS_COMPILE_ALL (None when unset), subset M2OPS_COMPILE_KERNELS's names."""
-    digest = _digest(specs)
-    name = RECORD.name
-    if recorded == digest:
-        state = f"tests/{name} matches the kernel sources and specialisations"
-    elif recorded is None:
-        state = f"tests/{name} is missing"
-    else:
-        state = (f"the kernel sources or specialisations changed since the last full run "
-                 f"(tests/{name}: {recorded[:12]}, now {digest[:12]})")
-    if forced is True:
-        full, why = True, "M2OPS_COMPILE_ALL=1"
-    elif forced is False:
-        full, why = False, f"M2OPS_COMPILE_ALL=0; {state}"
-    else:
-        full, why = recorded != digest, state
+    digests = _digests(specs)
+    names = set(digests)
     subset = tuple(subset)
+    unknown = sorted(set(subset) - names)
+    if unknown:
+        raise ValueError(f"M2OPS_COMPILE_KERNELS names no kernel called {', '.join(unknown)}")
+    stale = frozenset(n for n in names if recorded.get(n) != digests[n])
+    file = f"tests/{RECORD.name}"
+    state = (f"{file} matches every kernel's sources and specialisations" if not stale
+             else f"{file} holds no digest or another one for {', '.join(sorted(stale))}")
+    if forced is True:
+        changed, why = frozenset(names), "M2OPS_COMPILE_ALL=1"
+    elif forced is False:
+        changed, why = frozenset(), f"M2OPS_COMPILE_ALL=0; {state}"
+    else:
+        changed, why = stale, state
     if subset:
-        unknown = sorted(set(subset) - {s.kernel_name for s in specs})
-        if unknown:
-            raise ValueError(f"M2OPS_COMPILE_KERNELS names no kernel called {', '.join(unknown)}")
+        changed &= set(subset)
         why += f"; only {', '.join(subset)} (M2OPS_COMPILE_KERNELS)"
-    parts = _choose(specs, full)
+    parts = _choose(specs, changed)
     if subset:
         parts = {p: (arch, [i for i in ix if specs[i].kernel_name in subset], what)
                  for p, (arch, ix, what) in parts.items()}
-    return Plan(specs, full, why, digest, subset, parts)
+    return Plan(specs, changed, why, digests, subset, parts)
 
 
 def _announce(request, text: str):
@@ -311,23 +343,23 @@ def _announce(request, text: str):
 
 
 def finish(plan: Plan, path: Path | None = None) -> str | None:
-    """After the module: records the digest in path (default RECORD) when a full run of every part passed; what
-    to tell, if anything."""
+    """After the module: where every part passed, records in path (default RECORD) the digests of the kernels whose
+    full set this run built (the others keep theirs); what to tell, if anything."""
     path = path or RECORD
     if not plan.full:
         return None
     missing = [p for p in plan.parts if p not in plan.passed]
     if missing:
-        return (f"test_kernels_compile: the full set was not recorded in tests/{path.name}: "
+        return (f"test_kernels_compile: nothing recorded in tests/{path.name}: "
                 f"{', '.join(missing)} did not run or did not pass")
-    if plan.subset:
-        return (f"test_kernels_compile: nothing recorded (M2OPS_COMPILE_KERNELS limits the run); "
-                f"to record: {RECORD_COMMAND}")
-    if _recorded(path) == plan.digest:
+    recorded = _recorded(path)
+    now = {n: d for n, d in recorded.items() if n in plan.digests}  # (a removed kernel's line goes)
+    now.update((n, plan.digests[n]) for n in plan.changed)
+    if now == recorded:
         return None
-    _record(plan.digest, path)
-    return (f"test_kernels_compile: every part of the full set built; recorded {plan.digest[:12]} in "
-            f"tests/{path.name}: commit it with the kernel change")
+    _record(now, path)
+    return (f"test_kernels_compile: the full sets of {', '.join(sorted(plan.changed))} built; recorded their "
+            f"digests in tests/{path.name}: commit it with the kernel change")
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +368,11 @@ def plan(request):
     from m2ops import envvars
     subset = tuple(n.strip() for n in os.environ.get("M2OPS_COMPILE_KERNELS", "").split(",") if n.strip())
     p = make_plan(all_specs(), _recorded(), envvars.switch("M2OPS_COMPILE_ALL", None), subset)
-    text = f"test_kernels_compile: building the {p.describe()}"
-    if p.full and not p.subset:
-        text += (f". A run in which every part passes records the digest in tests/{RECORD.name}: commit that file "
-                 f"with the kernel change, and CI builds only the covering sets (to record: {RECORD_COMMAND})")
+    text = f"test_kernels_compile: building {p.describe()}"
+    if p.full:
+        text += (f". A run in which every part passes records those kernels' digests in tests/{RECORD.name}: commit "
+                 f"that file with the kernel change, and CI builds only their covering sets (to record: "
+                 f"{RECORD_COMMAND})")
     _announce(request, text)
     if p.full and not p.subset and p.why != "M2OPS_COMPILE_ALL=1":
         warnings.warn(text, UserWarning, stacklevel=1)
@@ -376,20 +409,23 @@ def _build_part(plan: Plan, pool, part: str):
 
 def test_specialisations_are_enumerated():
     """Names are unique, every signature is well formed, and the specialised kernels are exactly the kernels
-    that m2ops/kernels defines (a kernel without specialisations would never be built here)."""
+    that m2ops/kernels defines and the registry names (a kernel without specialisations would never be built here)."""
     import importlib
 
     import m2ops.kernels
+    from m2ops.kernels.registry import KERNELS
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     defined = set()
-    for path in _kernel_sources(specs):
+    kdir = Path(m2ops.kernels.__file__).resolve().parent
+    for path in (p for p in kdir.glob("*.py") if re.search(r"^@ct\.kernel\b", p.read_text(encoding="utf-8"), re.M)):
         module = importlib.import_module(f"{m2ops.kernels.__name__}.{path.stem}")
         defined |= {v._pyfunc.__name__ for v in vars(module).values()
                     if isinstance(v, ct.kernel) and v._pyfunc.__module__ == module.__name__}
     assert {s.wide_kernel._pyfunc.__name__ for s in specs} == defined
+    assert {k._pyfunc.__name__ for k in KERNELS.values()} == defined
     for s in specs:
         s.signature()  # every signature is well formed for its kernel
 
@@ -410,18 +446,18 @@ def test_covering_sets_cover():
 
 
 def test_plans_build_every_specialisation(tmp_path):
-    """Both sets put every specialisation through the front end at least (a cubin implies it), each
-    architecture gets a cover of each kernel, and only a full run of every part records, in either case the
-    digest that selects the covering set next time."""
+    """Every plan puts every specialisation through the front end at least (a cubin implies it) and gives each
+    architecture a cover of each kernel; a kernel whose digest is not recorded gets its full set; only a run in which
+    every part passed records, and then the digests of the kernels it built in full, keeping the others'."""
     from m2ops.kernels.specs import all_specs
     specs = all_specs()
-    digest = _digest(specs)
-    cover = make_plan(specs, digest)
-    full = make_plan(specs, None)
-    assert not cover.full and full.full and "missing" in full.why
-    assert make_plan(specs, "0" * 64).full
-    assert make_plan(specs, digest, forced=True).full
-    assert not make_plan(specs, None, forced=False).full
+    digests = _digests(specs)
+    cover = make_plan(specs, digests)
+    full = make_plan(specs, {})
+    assert not cover.full and full.changed == set(digests) and "holds no digest" in full.why
+    assert make_plan(specs, dict(digests, chunk_cumsum="0" * 64)).changed == {"chunk_cumsum"}
+    assert make_plan(specs, digests, forced=True).changed == set(digests)
+    assert not make_plan(specs, {}, forced=False).full
     assert full.parts[FULL_ARCH][1] == _wide(specs)
     for p in (cover, full):
         assert set(p.parts) == {*ARCHS, NARROW, FRONT_END}
@@ -430,40 +466,44 @@ def test_plans_build_every_specialisation(tmp_path):
         assert cubins | set(p.parts[FRONT_END][1]) == set(range(len(specs)))
         for arch in ARCHS:
             assert {specs[i].kernel_name for i in p.parts[arch][1]} == {s.kernel_name for s in specs if not s.narrow}
-    one = make_plan(specs, None, subset=("chunk_cumsum",))
+    one = make_plan(specs, {}, subset=("chunk_cumsum",))
     assert {specs[i].kernel_name for _, ix, _ in one.parts.values() for i in ix} == {"chunk_cumsum"}
+    assert one.changed == {"chunk_cumsum"}
+    assert one.parts[FULL_ARCH][1] == [i for i in _wide(specs) if specs[i].kernel_name == "chunk_cumsum"]
     with pytest.raises(ValueError, match="no_such_kernel"):
-        make_plan(specs, None, subset=("no_such_kernel",))
+        make_plan(specs, {}, subset=("no_such_kernel",))
 
     path = tmp_path / RECORD.name
     full.passed = set(full.parts) - {NARROW}
-    assert "did not run or did not pass" in finish(full, path) and _recorded(path) is None
-    one.passed = set(one.parts)
-    assert "nothing recorded" in finish(one, path) and _recorded(path) is None
+    assert "did not run or did not pass" in finish(full, path) and _recorded(path) == {}
     cover.passed = set(cover.parts)
-    assert finish(cover, path) is None and _recorded(path) is None
+    assert finish(cover, path) is None and _recorded(path) == {}
+    one.passed = set(one.parts)
+    assert "recorded" in finish(one, path) and _recorded(path) == {"chunk_cumsum": digests["chunk_cumsum"]}
+    assert make_plan(specs, _recorded(path)).changed == set(digests) - {"chunk_cumsum"}
     full.passed = set(full.parts)
-    assert "recorded" in finish(full, path) and _recorded(path) == digest
+    assert "recorded" in finish(full, path) and _recorded(path) == digests
     assert not make_plan(specs, _recorded(path)).full
+    path.write_text(path.read_text() + "f" * 64 + " removed_kernel\n")
+    assert "removed_kernel" in _recorded(path) and not make_plan(specs, _recorded(path)).full
 
 
-def test_digest_follows_the_kernel_sources(tmp_path):
-    """Every specialised kernel's module is hashed, and the digest changes with the specialisation list and with
-    the sources' text."""
+def test_digests_follow_the_kernel_sources():
+    """Each kernel's digest covers its module, the kernel modules it imports and common.py, and changes with its
+    specialisation list; another kernel's specialisations do not move it."""
     from m2ops.kernels.specs import all_specs
+    import m2ops.kernels
+    kdir = Path(m2ops.kernels.__file__).resolve().parent
     specs = all_specs()
-    files = _kernel_sources(specs)
-    names = {p.name for p in files}
-    assert {"common.py", "index_width.py", "specs.py"} <= names
+    files = _kernel_files("state_update", kdir)
+    assert {p.name for p in files} == {"state_update.py", "chunk_cumsum.py", "common.py", "index_width.py"}
     for s in {s.kernel_name: s for s in specs}.values():
-        assert Path(inspect.getsourcefile(s.wide_kernel._pyfunc)).resolve() in files, s.kernel_name
-    assert _digest(specs) == _digest(list(reversed(specs)))
-    assert _digest(specs) != _digest(specs[1:])
-    source = tmp_path / "kernel.py"
-    source.write_text("@ct.kernel\ndef k(a):\n    pass\n")
-    before = _digest(specs, [source], tmp_path)
-    source.write_text("@ct.kernel\ndef k(a):\n    return\n")
-    assert _digest(specs, [source], tmp_path) != before
+        assert Path(inspect.getsourcefile(s.wide_kernel._pyfunc)).resolve() in _kernel_files(s.kernel_name, kdir)
+    d = _digests(specs)
+    assert d == _digests(list(reversed(specs)))
+    fewer = _digests([s for s in specs if s is not next(t for t in specs if t.kernel_name == "chunk_cumsum")])
+    assert fewer["chunk_cumsum"] != d["chunk_cumsum"]
+    assert {n for n in d if fewer[n] != d[n]} == {"chunk_cumsum"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
