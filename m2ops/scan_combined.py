@@ -52,13 +52,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
     dt_min, dt_max = float(dt_limit[0]), float(dt_limit[1])
-    # Kernels or reference (dispatch.kernels_serve), and the chunk size the kernels run at (a caller's 64 or 128
-    # on long sequences runs on chunks of 256): decided here, ahead of chunk_cumsum, so that nothing downstream
-    # re-cuts its output.
+    # The plan: kernels or reference (dispatch.kernels_serve, once), the chunk size every step runs at (a caller's
+    # 64 or 128 on long sequences runs on chunks of 256: decided ahead of chunk_cumsum, so that nothing downstream
+    # re-cuts its output), and the path: the launchers directly (eager.applies) or the torch.library ops.
     deciding = (x, dt, B, C, z)
-    run_chunk = dispatch.kernel_chunk_size(chunk_size, seqlen, x.device, deciding)
+    serve = dispatch.kernels_serve(x.device, chunk_size, deciding)
+    run_chunk = dispatch.run_chunk_size(chunk_size, seqlen, serve)
 
-    if not return_varlen_states and eager.applies(run_chunk, deciding, (A, D, dt_bias, initial_states, seq_idx)):
+    if not return_varlen_states and eager.applies(serve, x, deciding + (A, D, dt_bias, initial_states, seq_idx)):
         if key is None:  # (no plan kept yet: this may be the first)
             key = eager.call_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, first=True)

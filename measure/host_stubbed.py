@@ -30,7 +30,7 @@ def main():
     runtime.launch = lambda grid, kernel, kargs, *_: None
     runtime.sm_count = lambda device: 132  # an H200's
     # the CUDA path on CPU tensors
-    eager.applies = lambda run_chunk, deciding, others: eager.context_allows(deciding + others)
+    eager.applies = lambda serve, x, tensors: eager.context_allows(tensors)
     T, N, b, h, p, L = args.seqlen, args.dstate, 1, 80, 64, 256
     x = torch.randn(b, T, h, p, dtype=torch.bfloat16)
     B = torch.randn(b, T, 1, N, dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ from harness import host_us
 
 from m2ops.kernels import forward, index_width, planned, runtime, scan
 from m2ops.meta.validate import check_inputs
-from m2ops.ops import eager
+from m2ops.ops import dispatch, eager
 
 
 @ct.kernel
@@ -118,8 +118,9 @@ def main():
                 "check_inputs": lambda: check_inputs(x, c["dt"], c["A"], c["B"], c["C"], L, c["D"], None, None,
                                                      c["initial_states"], None, None, True, (0.0, float("inf")),
                                                      True, False),
-                "eager.applies": lambda: eager.applies(L, (x, c["dt"], c["B"], c["C"], None),
-                                                       (c["A"], c["D"], None, c["initial_states"], None)),
+                "the decision and path": lambda: eager.applies(
+                    dispatch.kernels_serve(x.device, L, (x, c["dt"], c["B"], c["C"], None)), x,
+                    (x, c["dt"], c["B"], c["C"], None, c["A"], c["D"], None, c["initial_states"], None)),
             }
             for name, fn in parts.items():
                 print(f"{spec}: {name:40s} {host_us(fn, args.n // 4):8.1f} us")

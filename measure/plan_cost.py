@@ -24,7 +24,7 @@ from harness import host_us
 
 from m2ops.kernels import config, forward, index_width, planned, runtime
 from m2ops.meta.validate import check_inputs
-from m2ops.ops import eager
+from m2ops.ops import dispatch, eager
 
 
 def _captured_args(case):
@@ -74,7 +74,8 @@ def rows(shape, chunk):
         "public call": lambda: public_call(case),
         "check_inputs": lambda: check_inputs(x, dt, A, B, C, L, D, z, dt_bias, init, None, None, softplus,
                                              (dt_min, dt_max), True, False),
-        "eager.applies": lambda: eager.applies(L, (x, dt, B, C, z), (A, D, dt_bias, init, None)),
+        "the decision and path": lambda: eager.applies(dispatch.kernels_serve(x.device, L, (x, dt, B, C, z)), x,
+                                                       (x, dt, B, C, z, A, D, dt_bias, init, None)),
         "planned_forward": lambda: planned.planned_forward(*args),
         "run_forward": lambda: planned.run_forward(fp, x, dt, A, B, C, D, z, dt_bias, init),
         "  _run_cumsum": lambda: forward.run_cumsum(fp.cumsum, fp.cumsum_shape, dt, A, bias),

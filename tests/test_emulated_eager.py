@@ -166,7 +166,7 @@ def test_public_call_runs_long_sequences_on_super_chunks(monkeypatch, train):
     knobs(monkeypatch, super_chunk_min_seqlen=300)
     monkeypatch.setattr(dispatch, "_kernels_serve", lambda device_type, index: True)
     monkeypatch.setattr(eager, "applies",  # the CUDA path on CPU tensors
-                        lambda run_chunk, deciding, others: eager.context_allows(deciding + others))
+                        lambda serve, x, tensors: serve and eager.context_allows(tensors))
     monkeypatch.setattr(scan, "rechunk", lambda *a: pytest.fail("rechunk ran"))
     assert dispatch.kernel_chunk_size(64, 300, case["x"].device) == scan.SUPER_CHUNK
     gen = torch.Generator().manual_seed(7)
@@ -229,7 +229,7 @@ def test_eager_path_yields_to_compile_modes_and_subclasses():
     from m2ops.ops import eager
     x = torch.randn(2, 3)
     assert eager.context_allows((x, None, torch.nn.Parameter(torch.randn(3))))
-    assert not eager.applies(64, (x,), ())  # a CPU tensor: the ops (reference) serve it
+    assert not eager.applies(True, x, (x,))  # a CPU tensor: the ops (reference) serve it
 
     class Passthrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,5 +1,5 @@
 """The one decision "cuTile kernels or PyTorch reference" (kernels_serve), and what follows from it: the chunk
-size a call runs at (kernel_chunk_size) and each op's CUDA implementation (cuda_impl).
+size a call runs at (run_chunk_size, kernel_chunk_size) and each op's CUDA implementation (cuda_impl).
 
 The kernels serve a call when its device is a CUDA GPU they run on (cuda.tile and tileiras present, an
 architecture tileiras supports, M2OPS_FORCE_REFERENCE unset; otherwise one warning says why), its chunk size is
@@ -71,13 +71,19 @@ def kernels_serve(device, chunk_size, tensors) -> bool:
 
 
 def kernel_chunk_size(chunk_size: int, seqlen: int, device, tensors=()) -> int:
-    """The chunk size a call of the caller's chunk_size runs at on device: where the kernels serve it
-    (kernels_serve on tensors), chunks of scan.SUPER_CHUNK for a caller's 64 or 128 from the config's
+    """The chunk size a call of the caller's chunk_size runs at on device (run_chunk_size, with kernels_serve's
+    answer on tensors)."""
+    return run_chunk_size(chunk_size, seqlen, kernels_serve(device, chunk_size, tensors))
+
+
+def run_chunk_size(chunk_size: int, seqlen: int, serve: bool) -> int:
+    """The chunk size a call of the caller's chunk_size runs at, given whether the kernels serve it (serve, from
+    kernels_serve): there, chunks of scan.SUPER_CHUNK for a caller's 64 or 128 from the config's
     super_chunk_min_seqlen tokens (measured faster on an H200; y, the final state and the gradients depend on the
     chunk size only through rounding), else chunk_size. Decided once, before chunk_cumsum, so that every path
     (eager, torch.compile, CUDA graphs, training, whose backward reuses states kept at the forward's chunk size)
-    runs at that size throughout."""
-    if not kernels_serve(device, chunk_size, tensors):
+    runs at that size throughout. (SUPER_CHUNK is a kernel chunk size: the kernels serve the call at either.)"""
+    if not serve:
         return chunk_size
     from ..kernels import scan
     return scan.SUPER_CHUNK if scan.super_chunk_by_default(chunk_size, seqlen) else chunk_size

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from .. import envvars
-from . import dispatch
 from .chunk_scan import backward_with
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -41,13 +40,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 KEEP_STATES = not envvars.switch("M2OPS_RECOMPUTE_STATES", False)
 
 
-def applies(run_chunk: int, deciding: tuple, others: tuple) -> bool:
-    """Whether the direct path serves a call: the kernels serve it (dispatch.kernels_serve on the deciding tensors
-    at run_chunk) and nothing that must see the ops is active (context_allows, on every tensor: None entries are
-    absent options)."""
-    x = deciding[0]
-    return (x.is_cuda and context_allows(deciding + others)
-            and dispatch.kernels_serve(x.device, run_chunk, deciding))
+def applies(serve: bool, x, tensors: tuple) -> bool:
+    """Whether the direct path serves a call on x: the kernels serve it (serve: dispatch.kernels_serve's answer for
+    the call) and nothing that must see the ops is active (context_allows, on every tensor: None entries are absent
+    options)."""
+    return serve and x.is_cuda and context_allows(tensors)
 
 
 def context_allows(tensors) -> bool:
