@@ -5,12 +5,16 @@ pure-PyTorch chunked reference everywhere else.
 """
 
 from . import ops
+from .conv1d import causal_conv1d_fn, causal_conv1d_update
+from .gated_norm import rms_norm_gated
 from .layer import Mamba2
-from .ops.state_update import selective_state_update
+from .ops.state_update import selective_state_update_functional
+from .ops.state_update_inplace import selective_state_update
 from .scan_combined import mamba_chunk_scan_combined
 
 __version__ = "0.1.0"
-__all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "pretune", "ops", "__version__"]
+__all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "selective_state_update_functional",
+           "rms_norm_gated", "causal_conv1d_fn", "causal_conv1d_update", "pretune", "ops", "__version__"]
 
 
 def __getattr__(name):

@@ -1,4 +1,4 @@
-"""The decode step (m2ops::state_update) at several batch sizes with and without an occupancy hint, as a script:
+"""The functional decode step (m2ops::state_update) at several batch sizes with and without an occupancy hint, as a script:
 
     python measure/decode_scan.py [--batches 1,16,64,256] [--dstates 128,256] [--occupancy 0,2,4,8] [--odd-grid]
                                   [--no-timing] [--json OUT]
@@ -25,7 +25,7 @@ import harness  # first of the local imports: it puts tests/gpu (gpu_cases) and 
 from gpu_cases import STRIDE_CLASSES, poison_allocator, rel_err  # (and M2OPS_AUTOTUNE=0: the table's hints)
 
 from m2ops.kernels import decode
-from m2ops.ops.state_update import selective_state_update
+from m2ops.ops.state_update import selective_state_update_functional
 
 H, P, G = 80, 64, 1
 
@@ -90,7 +90,7 @@ def main():
                 row = dict(batch=batch, N=n, occupancy=occ or "table")
                 try:
                     with harness.hints(_occupancy(occ)):
-                        replay = harness.graphed(lambda: out.append(selective_state_update(**inp)))
+                        replay = harness.graphed(lambda: out.append(selective_state_update_functional(**inp)))
                         replay()
                         torch.cuda.synchronize()
                         row["ms"] = harness.median_ms(replay)

@@ -43,7 +43,7 @@ def test_smoke_run_writes_json(tmp_path):
         assert "profiled" in res
     # the profiler shows m2ops ops only after patch(): the scan in the forward, also the decode op in generate
     m2_seen = r["results"]["m2ops"]["profiled"]
-    assert "m2ops::chunk_cumsum" in m2_seen["forward"] and "m2ops::state_update" in m2_seen["generate"]
+    assert "m2ops::chunk_cumsum" in m2_seen["forward"] and "m2ops::state_update_inplace" in m2_seen["generate"]
     assert not any(k.startswith("m2ops::") for k in r["results"]["transformers"]["profiled"]["forward"])
 
     # float32 on the CPU: both implementations compute the same logits and tokens

@@ -1,4 +1,5 @@
-"""The decode kernel (selective state update, m2ops/kernels/decode.py) on the emulator against the reference.
+"""The decode kernels (selective state update, functional and in place; m2ops/kernels/decode.py) on the emulator
+against the reference.
 
 The kernels' own code on the CPU through tests/tile_emulator.py, against the reference: what that catches and
 misses, and the tolerances, in tests/emulated_cases.py (the helpers shared by tests/test_emulated_*.py). Skipped
@@ -52,3 +53,62 @@ def test_state_update(dtype, dstate, opts):
     assert y.dtype == ey.dtype and new.dtype == enew.dtype
     assert rel_err(y, ey) <= DECODE_TOL[dtype]
     assert rel_err(new, enew) <= DECODE_TOL[state_dtype]
+
+
+_OTHER_HALF = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, torch.float32: torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dstate", [16, 100, 300])
+@pytest.mark.parametrize("opts", [
+    dict(rows="int32"),
+    dict(D="hp", z=True, dt_bias=True, softplus=True, limit=(0.01, 0.5), rows="int64", out=True),
+    dict(D="h", state_dtype="act", transposed=True),
+    # through conversions: a state of another dtype (a float32 copy written back), B and C in float32 (y through a
+    # float32 copy of out)
+    dict(rows="int32", state_dtype="other", bc32=True, out=True),
+])
+def test_state_update_inplace(dtype, dstate, opts):
+    """decode.state_update_inplace (the kernel that reads and writes the cache rows in place) against
+    reference.state_update_inplace: used rows within the tolerance, padding slots (negative indices, and int64 values
+    beyond int32 on either side, which the launcher clamps) and rows no index names untouched, y of a padding slot
+    left as out had it."""
+    g = torch.Generator().manual_seed(dstate + 7)
+    b, h, G, p, rows_n = 4, 4, 2, 24, 6
+    state_dtype = {"act": dtype, "other": _OTHER_HALF[dtype]}.get(opts.get("state_dtype"), torch.float32)
+    bc_dtype = torch.float32 if opts.get("bc32") else dtype
+    cache = torch.randn(rows_n, h, p, dstate, generator=g).to(state_dtype)
+    if opts.get("transposed"):
+        cache = cache.transpose(-1, -2).contiguous().transpose(-1, -2)
+    rows = {None: None, "int32": torch.tensor([4, -1, 0, 2], dtype=torch.int32),
+            "int64": torch.tensor([4, -2 ** 40, 2 ** 40, 1], dtype=torch.int64)}[opts.get("rows")]
+    if rows is None:
+        cache = cache[:b]
+    kw = dict(
+        x=torch.randn(b, h, p, generator=g).to(dtype),
+        dt=torch.rand(b, h, generator=g).to(dtype),
+        A=-torch.exp(torch.rand(h, generator=g) * math.log(8.0)),
+        B=torch.randn(b, G, dstate, generator=g).to(bc_dtype),
+        C=torch.randn(b, G, dstate, generator=g).to(bc_dtype),
+        D={None: None, "h": torch.randn(h, generator=g), "hp": torch.randn(h, p, generator=g)}[opts.get("D")],
+        z=torch.randn(b, h, p, generator=g).to(dtype) if opts.get("z") else None,
+        dt_bias=torch.randn(h, generator=g) if opts.get("dt_bias") else None,
+        state_batch_indices=rows,
+        dt_softplus=bool(opts.get("softplus")),
+        dt_min=float(opts.get("limit", (0.0, math.inf))[0]), dt_max=float(opts.get("limit", (0.0, math.inf))[1]),
+    )
+    out0 = torch.full((b, h, p), 3.0, dtype=dtype) if opts.get("out") else torch.zeros(b, h, p, dtype=dtype)
+    want_cache, want_out = cache.clone(), out0.clone()
+    ref_su.state_update_inplace(want_cache, **kw, out=want_out)
+    got_cache, got_out = cache.clone(), out0.clone()
+    with emulated_kernels():
+        decode.state_update_inplace(got_cache, **kw, out=got_out)
+    used = list(range(b)) if rows is None else [i for i in range(b) if 0 <= int(rows[i]) < rows_n]
+    target = used if rows is None else [int(rows[i]) for i in used]
+    others = [r for r in range(cache.shape[0]) if r not in target]
+    assert got_cache.dtype == state_dtype and got_out.dtype == dtype
+    assert rel_err(got_out[used], want_out[used]) <= DECODE_TOL[dtype]
+    assert rel_err(got_cache[target], want_cache[target]) <= DECODE_TOL.get(state_dtype, DECODE_TOL[torch.float32])
+    assert torch.equal(got_cache[others], cache[others])
+    skipped = [i for i in range(b) if i not in used]
+    assert torch.equal(got_out[skipped], out0[skipped])

@@ -1,5 +1,6 @@
-"""m2ops::state_update (one decoding token) against one step of the float64 naive recurrence, its registration
-(opcheck), the public wrapper's mamba_ssm-style broadcast arguments, and its input errors."""
+"""m2ops::state_update (one decoding token, functional: m2ops.selective_state_update_functional) against one step
+of the float64 naive recurrence, its registration (opcheck), the public wrapper's mamba_ssm-style broadcast
+arguments, and its input errors. The in-place form (m2ops.selective_state_update): test_state_update_inplace.py."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_matches_naive_step(case, dtype):
     opts, softplus, limit = CASES[case]
     inp = decode_inputs(dtype=dtype, softplus=softplus, **opts)
     before = {k: v.clone() for k, v in inp.items() if v is not None}
-    y, new_state = m2ops.selective_state_update(**inp, dt_softplus=softplus, dt_limit=limit)
+    y, new_state = m2ops.selective_state_update_functional(**inp, dt_softplus=softplus, dt_limit=limit)
     want_y, want_state = naive_step(inp, softplus, limit)
     assert y.dtype == dtype and y.shape == inp["x"].shape
     assert new_state.dtype == inp["state"].dtype and new_state.shape == inp["state"].shape
@@ -87,8 +88,9 @@ def test_many_steps_equal_scan():
                                                     dt_softplus=True, dt_limit=(0.01, 2.0), return_final_states=True)
     state, ys = s0, []
     for t in range(T):
-        y, state = m2ops.selective_state_update(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=D, z=z[:, t],
-                                                dt_bias=bias, dt_softplus=True, dt_limit=(0.01, 2.0))
+        y, state = m2ops.selective_state_update_functional(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=D,
+                                                           z=z[:, t], dt_bias=bias, dt_softplus=True,
+                                                           dt_limit=(0.01, 2.0))
         ys.append(y)
     torch.testing.assert_close(torch.stack(ys, 1), y_scan, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
@@ -98,15 +100,16 @@ def test_mamba_ssm_broadcast_arguments():
     """mamba_ssm's callers expand A, dt and dt_bias over headdim (and dstate); the wrapper takes them."""
     inp = decode_inputs(D="h", dt_bias=True)
     h, p, n = inp["A"].shape[0], inp["x"].shape[2], inp["B"].shape[2]
-    want = m2ops.selective_state_update(**inp, dt_softplus=True)
-    got = m2ops.selective_state_update(
+    want = m2ops.selective_state_update_functional(**inp, dt_softplus=True)
+    got = m2ops.selective_state_update_functional(
         inp["state"], inp["x"], inp["dt"][..., None].expand(-1, -1, p), inp["A"][:, None, None].expand(h, p, n),
         inp["B"], inp["C"], D=inp["D"][:, None].expand(h, p), dt_bias=inp["dt_bias"][:, None].expand(h, p),
         dt_softplus=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"selective_state_update: A must have one value per head"):
-        m2ops.selective_state_update(inp["state"], inp["x"], inp["dt"], torch.randn(h, p, n), inp["B"], inp["C"])
+        m2ops.selective_state_update_functional(inp["state"], inp["x"], inp["dt"], torch.randn(h, p, n), inp["B"],
+                                                inp["C"])
 
 
 def test_gradients_float64():
@@ -116,7 +119,7 @@ def test_gradients_float64():
 
     def fn(*tensors):
         kw = dict(zip(names, tensors))
-        return m2ops.selective_state_update(**kw, dt_softplus=True, dt_limit=(0.0, INF))
+        return m2ops.selective_state_update_functional(**kw, dt_softplus=True, dt_limit=(0.0, INF))
 
     assert torch.autograd.gradcheck(fn, tuple(inp[k] for k in names))
 
@@ -137,7 +140,7 @@ def test_opcheck(case):
 
 def test_compile_fullgraph(reset_dynamo):
     inp = decode_inputs(D="h", z=True, dt_bias=True)
-    fn = lambda **kw: m2ops.selective_state_update(**kw, dt_softplus=True)  # noqa: E731
+    fn = lambda **kw: m2ops.selective_state_update_functional(**kw, dt_softplus=True)  # noqa: E731
     got = torch.compile(fn, fullgraph=True)(**inp)
     want = fn(**inp)
     for a, b in zip(got, want):
@@ -171,7 +174,7 @@ def test_bad_inputs_name_the_argument(name, changes, kind):
     inp = _bad(**changes)
     kw = dict(dt_softplus=inp.pop("dt_softplus", True), dt_limit=inp.pop("dt_limit", (0.0, INF)))
     with pytest.raises(kind, match=rf"m2ops.selective_state_update: {name} must"):
-        m2ops.selective_state_update(**inp, **kw)
+        m2ops.selective_state_update_functional(**inp, **kw)
 
 
 def test_kernels_serve_is_the_one_decision(monkeypatch):

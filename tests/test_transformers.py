@@ -68,7 +68,7 @@ def test_same_greedy_tokens_and_decode_op(model):
         m2tf.patch()
         got, events = m2ops_events(lambda: model.generate(x, **kw))
     assert torch.equal(got, want), (got, want)
-    assert "m2ops::state_update" in events and set(SCAN_OPS) <= events, events
+    assert "m2ops::state_update_inplace" in events and set(SCAN_OPS) <= events, events
 
 
 def test_training_forward_backward(model):

@@ -167,6 +167,9 @@ class _Emu:
     def log(self, v):
         return torch.log(self._t(v))
 
+    def rsqrt(self, v, flush_to_zero=False):
+        return torch.rsqrt(self._t(v))
+
     @staticmethod
     def where(cond, a, b):
         cond = cond if isinstance(cond, torch.Tensor) else torch.tensor(bool(cond))
@@ -195,6 +198,36 @@ class _Emu:
     @staticmethod
     def cdiv(a, b):
         return (a + b - 1) // b
+
+    # ---- compile-time iteration, concatenation and gathers (the causal convolution's kernels) ----
+    @staticmethod
+    def static_iter(iterable):
+        return list(iterable)  # the body runs once per item, as cuTile inlines it
+
+    @staticmethod
+    def cat(tiles, axis):
+        a, b = tiles
+        if a.shape != b.shape:  # cuTile's rule (power-of-two shapes)
+            raise ValueError(f"cat: tiles of different shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        return torch.cat((a, b), dim=axis)
+
+    @staticmethod
+    def gather(array, indices, mask=None, padding_value=0, check_bounds=True, latency=None):
+        """array[indices] with the indices broadcast together; out-of-bounds (negative included) and masked-off
+        elements read padding_value. check_bounds=False with an index outside raises (undefined on a GPU)."""
+        idx = torch.broadcast_tensors(*(torch.as_tensor(i).long() for i in
+                                        (indices if isinstance(indices, tuple) else (indices,))))
+        inside = torch.ones(idx[0].shape, dtype=torch.bool)
+        for i, n in zip(idx, array.shape):
+            inside &= (i >= 0) & (i < n)
+        if not check_bounds and not bool(inside.all()):
+            raise IndexError("gather with check_bounds=False outside the array")
+        keep = inside if mask is None else inside & torch.as_tensor(mask)
+        pad = torch.as_tensor(padding_value, dtype=array.dtype)
+        if array.numel() == 0:
+            return pad.expand(keep.shape).clone()
+        vals = array[tuple(i.clamp(0, n - 1) for i, n in zip(idx, array.shape))]
+        return torch.where(keep, vals, pad)
 
 
 def run(kernel, grid, args, emu: _Emu):

@@ -11,9 +11,9 @@ imported. patch() replaces these module attributes (the mixer looks them up at c
 whatever transformers picked, on CPU and CUDA, and with or without the `kernels` package:
 
 - mamba2_chunk_scan -> m2ops.mamba_chunk_scan_combined (prefill, and every forward without a cache);
-- mamba2_selective_state_update -> m2ops.selective_state_update (one-token decoding), then copies the new
-  state into the cache tensor, which transformers expects to be updated in place;
-- causal_conv1d_fn -> m2ops.layer.causal_conv1d, which restarts at seq_idx / cu_seqlens boundaries;
+- mamba2_selective_state_update -> m2ops.selective_state_update (one-token decoding), which updates the cache
+  tensor in place, as transformers expects;
+- causal_conv1d_fn -> m2ops.causal_conv1d_fn, which restarts at seq_idx / cu_seqlens boundaries;
 - mamba2_split_conv1d_scan_combined (the fused training path) -> returns None, which the mixer reads as
   "no fused kernel" and continues with the unfused path, i.e. the three functions above.
 causal_conv1d_update (the one-token convolution) is left as transformers has it.
@@ -30,9 +30,9 @@ import importlib
 
 import torch.nn.functional as F
 
-from ..layer import causal_conv1d
+from ..conv1d import causal_conv1d_fn
 from ..meta.validate import seq_idx_from_cu_seqlens
-from ..ops.state_update import selective_state_update
+from ..ops.state_update_inplace import selective_state_update
 from ..scan_combined import mamba_chunk_scan_combined
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
@@ -55,28 +55,22 @@ def state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_sof
 
     No dt_limit here, as in transformers' own decode path (its chunked path applies config.time_step_limit,
     its decode path does not); with dt_softplus the default clamp at 0 changes nothing."""
-    y, new_state = selective_state_update(state, hidden_states, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
-                                          dt_softplus=dt_softplus)
-    state.copy_(new_state)
-    return y
+    return selective_state_update(state, hidden_states, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
 
 
 def conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, cu_seqlens=None, **kwargs):
-    """transformers' causal_conv1d_fn (hidden_states (batch, channels, seqlen)) that does not let a tap cross a
-    packed-sequence boundary. With a cache transformers prepends the cached inputs; those count as sequence 0
-    (the rule m2ops uses for initial states)."""
+    """transformers' causal_conv1d_fn (hidden_states (batch, channels, seqlen)) on m2ops.causal_conv1d_fn, which
+    does not let a tap cross a packed-sequence boundary. With a cache transformers prepends the cached inputs;
+    those count as sequence 0 (the rule m2ops uses for initial states)."""
     L = hidden_states.shape[-1]
     if seq_idx is None and cu_seqlens is not None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, L)
     if seq_idx is not None and seq_idx.shape[-1] < L:
         seq_idx = F.pad(seq_idx, (L - seq_idx.shape[-1], 0))
-    out = causal_conv1d(hidden_states, weight, bias, seq_idx)
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
-        from transformers.activations import ACT2FN
-        out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)
+    if activation in (None, "silu", "swish"):
+        return causal_conv1d_fn(hidden_states, weight, bias, seq_idx, activation=activation)
+    from transformers.activations import ACT2FN
+    return ACT2FN[activation](causal_conv1d_fn(hidden_states, weight, bias, seq_idx))
 
 
 def split_conv1d_scan_combined(*args, **kwargs):

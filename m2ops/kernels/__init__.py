@@ -13,7 +13,13 @@ Kernels (one file each, beside nothing but their device helpers):
     segments.py        segment_state_kernel,  chunk_scan's fused path: segment end states, state_passing over
                        segment_out_kernel     segments, y from register-held states (a tuning candidate)
     state_update.py    state_update_kernel    one decode token
+    state_update_inplace.py  state_update_inplace_kernel  one decode token into a state cache, in place
     chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py   the backward kernels of the three ops
+    gated_norm.py      gated_norm_kernel      the layer's gated RMSNorm: y and rstd per (row block, group)
+    gated_norm_bwd.py  gated_norm_bwd_kernel  its backward: dx, dz, partial weight and bias sums
+    conv1d.py, conv1d_bwd.py, conv1d_update.py   causal_conv1d_kernel, causal_conv1d_bwd_kernel,
+                       causal_conv1d_update_kernel: the layer's causal depthwise convolution (+ SiLU),
+                       forward, backward and one decode token (cache updated in place)
 
 Launch side, one concern a module:
     registry.py        every kernel by name, and which take programmatic dependent launch
@@ -24,7 +30,9 @@ Launch side, one concern a module:
     scan.py            the chunk_scan launcher and its tuning (autotune.py keeps the results)
     planned.py         the eager forward planned once per signature (what a repeated call runs)
     backward.py        launchers of the three ops' backward kernels
-    decode.py          the state_update launcher
+    decode.py          the state_update and state_update_inplace launchers
+    norm.py            the gated RMSNorm's launchers (forward and backward), tiles and hints
+    conv.py            the causal convolution's launchers (forward, backward, update) and tiles
     index_width.py     32-bit-indexed twins of the kernels (TMA loads) where every array fits int32 offsets
     specs.py           every specialisation the launchers can launch, with signatures for AOT compiles
     support.py         unavailable_reason(device_index)
@@ -42,10 +50,14 @@ except ImportError:
 else:
     # Imported after the kernel modules of the same names, so these names are the launchers.
     from .backward import chunk_cumsum_bwd, compute_out_bwd, fwd_pass_state_bwd
-    from .decode import state_update
+    from .conv import causal_conv1d, causal_conv1d_bwd, causal_conv1d_update
+    from .decode import state_update, state_update_inplace
     from .forward import chunk_cumsum, compute_out, fwd_pass_state
+    from .norm import rms_norm_gated, rms_norm_gated_bwd
     from .scan import chunk_scan
     from .specs import all_specs
 
     __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",
-               "chunk_cumsum_bwd", "fwd_pass_state_bwd", "compute_out_bwd", "unavailable_reason", "all_specs"]
+               "state_update_inplace", "chunk_cumsum_bwd", "fwd_pass_state_bwd", "compute_out_bwd",
+               "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update",
+               "unavailable_reason", "all_specs"]

@@ -1,4 +1,6 @@
-"""The decode step's launcher (m2ops::state_update, one token): its tiles, its builds' hints, its launch."""
+"""The decode step's launchers (one token): m2ops::state_update (functional, a fresh new state) and
+m2ops::state_update_inplace (the state cache updated in place, rows picked by index); their tiles, their builds'
+hints, their launches. Both kernels take the same tiles and the same hint rule."""
 
 from __future__ import annotations
 
@@ -75,6 +77,20 @@ def state_update_kernel_for(dtype: str, aligned: bool):
     return hinted_kernel("state_update", dtype, 0)
 
 
+def state_update_inplace_hints(dtype: str, aligned: bool) -> dict:
+    """state_update_hints' rule for the in-place kernel (its table entries are state_update's)."""
+    if aligned:
+        return dict(_ALIGNED_HINTS)
+    return kernel_hints("state_update_inplace", dtype, 0)
+
+
+def state_update_inplace_kernel_for(dtype: str, aligned: bool):
+    """The kernel object state_update_inplace launches, with state_update_inplace_hints' hints."""
+    if aligned:
+        return hinted("state_update_inplace", _ALIGNED_HINTS)
+    return hinted_kernel("state_update_inplace", dtype, 0)
+
+
 def state_update_dtypes(act_dtype: str) -> tuple:
     """The dtypes of dt and of the state (each) that the kernel is built for, given the activations' dtype:
     that dtype or float32 (a layer's dt is its activations' dtype; states are float32, or the activations'
@@ -118,3 +134,49 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     if new_state.dtype != state.dtype:
         new_state = new_state.to(state.dtype)
     return y, new_state
+
+
+def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus: bool,
+                         dt_min: float, dt_max: float, out) -> None:
+    """m2ops::state_update_inplace on the GPU: the cache rows of state updated in place (row b, or
+    state_batch_indices[b]; a row outside [0, cache_rows) skipped), y written into out (its skipped rows left
+    as they are). Returns nothing.
+
+    Inputs are read as state_update reads them. state is read and written where it is: in its own dtype when that
+    is the activations' or float32 (the kernel's builds); in another dtype through a float32 copy that is written
+    back (a state-sized copy each way, only for such a mix). y goes straight into out when out is in the
+    activations' dtype, else through a copy of out in that dtype. int64 indices are clamped to [-1, cache_rows]
+    and converted to int32 (one small copy). One launch otherwise; no host synchronisation, nothing depends on
+    tensor values (CUDA-graph capturable)."""
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    cache_rows = state.shape[0]
+    act = common_dtype(x, B, C, z)
+    xk, Bk, Ck = as_dtype(x, act), as_dtype(B, act), as_dtype(C, act)
+    zk = as_dtype(z, act) if z is not None else xk
+    dtk = dense(dt) if dt.dtype in (act, torch.float32) else as_dtype(dt, torch.float32)
+    state_k = state if state.dtype in (act, torch.float32) else state.to(torch.float32)
+    A32 = as_dtype(A, torch.float32)
+    bias = as_dtype(dt_bias, torch.float32) if dt_bias is not None else A32
+    Dk, has_d = d_arg(D, x)
+    if state_batch_indices is None:
+        rows = runtime.dummy(x, torch.int32, 1)
+    elif state_batch_indices.dtype == torch.int32:
+        rows = dense(state_batch_indices)
+    else:  # (clamped first: a value beyond int32 must not wrap into the cache's range)
+        rows = state_batch_indices.clamp(-1, cache_rows).to(torch.int32)
+    y = out if out.dtype == act else out.to(act)
+
+    k = state_update_constants(state_update_tile_n(n))
+    n_ptiles = cdiv(p, k["TP"])
+    tiled = (state_k, xk, Bk, Ck, y) + ((zk,) if z is not None else ()) + ((Dk,) if has_d == 2 else ())
+    kernel = state_update_inplace_kernel_for(dtype_name(act), rows_of_16_bytes(*tiled))
+    runtime.launch((h * n_ptiles, b, 1), kernel,
+            (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, rows, y,
+             h, h // g, n, n_ptiles, cache_rows, has_d, int(z is not None), int(dt_bias is not None),
+             int(bool(dt_softplus)), int(state_batch_indices is not None), float(dt_min), float(dt_max),
+             k["TP"], k["TN"]))
+    if y is not out:
+        out.copy_(y)
+    if state_k is not state:
+        state.copy_(state_k)

@@ -15,11 +15,17 @@ from .chunk_state import chunk_state_cumsum_cb_kernel, chunk_state_kernel
 from .compute_out import compute_out_kernel
 from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
 from .compute_out_carry import compute_out_carry_kernel
+from .conv1d import causal_conv1d_kernel
+from .conv1d_bwd import causal_conv1d_bwd_kernel
+from .conv1d_update import causal_conv1d_update_kernel
+from .gated_norm import gated_norm_kernel
+from .gated_norm_bwd import gated_norm_bwd_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
                              state_passing_bwd_kernel)
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
+from .state_update_inplace import state_update_inplace_kernel
 from .varlen_states import varlen_states_kernel
 
 # name -> (kernel, launched with PDL)
@@ -35,6 +41,7 @@ _TABLE = {
     "segment_state": (segment_state_kernel, True),
     "segment_out": (segment_out_kernel, True),
     "state_update": (state_update_kernel, False),
+    "state_update_inplace": (state_update_inplace_kernel, False),
     # Backward kernels (backward.py) take the chunk size at run time: their hints are keyed by the token block
     # the chunk size implies (common.sub_block) in place of the chunk size.
     "chunk_cumsum_bwd": (chunk_cumsum_bwd_kernel, False),
@@ -46,6 +53,13 @@ _TABLE = {
     "out_bwd_dcbw": (out_bwd_dcbw_kernel, False),
     "out_bwd_dcdb": (out_bwd_dcdb_kernel, False),
     "out_bwd_dstates": (out_bwd_dstates_kernel, False),
+    # The layer's gated RMSNorm (norm.py), forward and backward.
+    "gated_norm": (gated_norm_kernel, False),
+    "gated_norm_bwd": (gated_norm_bwd_kernel, False),
+    # The layer's causal convolution (conv.py): forward, backward, decode update.
+    "causal_conv1d": (causal_conv1d_kernel, False),
+    "causal_conv1d_bwd": (causal_conv1d_bwd_kernel, False),
+    "causal_conv1d_update": (causal_conv1d_update_kernel, False),
 }
 
 KERNELS = {name: kernel for name, (kernel, _) in _TABLE.items()}

@@ -211,6 +211,19 @@ _OCCUPANCY_ANY_CHUNK = {
     ("chunk_cumsum_bwd", "float32"): 4,
     ("state_update", "16bit"): 2,
     ("state_update", "float32"): 2,
+    # the in-place kernel (state_update_inplace.py) is state_update with its state read and written in one array
+    ("state_update_inplace", "16bit"): 2,
+    ("state_update_inplace", "float32"): 2,
+    # The causal convolution (conv.py), not yet timed: from ptxas -v of the sm_90 builds (as measure/kernel_resources.py
+    # reads them, with 16-byte-aligned arrays as at run time), the hint that takes the unhinted builds (128-255 registers at 256-384 threads) to the
+    # most CTAs without spilling (widths 2-4): forward 113-122 registers at 128 threads (float32 143-145 at 3),
+    # backward with SiLU 128 at 256 threads, update 64.
+    ("causal_conv1d", "16bit"): 4,
+    ("causal_conv1d", "float32"): 3,
+    ("causal_conv1d_bwd", "16bit"): 2,
+    ("causal_conv1d_bwd", "float32"): 2,
+    ("causal_conv1d_update", "16bit"): 4,
+    ("causal_conv1d_update", "float32"): 4,
 }
 
 

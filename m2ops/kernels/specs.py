@@ -12,7 +12,8 @@ reads only float32 (its dtype is "float32" whatever the activations), the latter
 Kernels the launchers compile with ct.kernel hints (specialise.kernel_hints: occupancy) carry them in their
 Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed
 per activation dtype, dt dtype and state dtype (each the activations' dtype or float32) and dstate tile, the
-first two dtypes in Spec.dtypes.
+first two dtypes in Spec.dtypes; state_update_inplace (decode into a cache) likewise. The gated RMSNorm's two
+kernels are listed per activation dtype and group tile.
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
 actual strides and alignment, as it does for any kernel.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from . import backward, decode, index_width, specialise
+from . import backward, conv, decode, index_width, norm, specialise
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .registry import KERNELS
 
@@ -174,6 +175,21 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
+    if kernel_name == "state_update_inplace":
+        return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
+                _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 10, _FLOAT, _FLOAT)
+    if kernel_name == "gated_norm":
+        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT, _INT, _INT, _INT)
+    if kernel_name == "gated_norm_bwd":
+        return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
+                _a(F32, 3), _a(F32, 3), _INT, _INT, _FLOAT, _INT, _INT, _INT)
+    if kernel_name == "causal_conv1d":
+        return (_a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(dt, 3), *(_INT,) * 6)
+    if kernel_name == "causal_conv1d_bwd":
+        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(F32, 3),
+                _a(F32, 2), _a(F32, 3), *(_INT,) * 6)
+    if kernel_name == "causal_conv1d_update":  # state_dtype: conv_state's
+        return (_a(dt, 2), _a(state_dtype, 3), _a(F32, 2), _a(F32, 1), _a(I32, 1), _a(dt, 2), *(_INT,) * 5)
     raise KeyError(kernel_name)
 
 
@@ -319,6 +335,29 @@ def all_specs() -> list[Spec]:
                         out.append(Spec("state_update", dt, decode.state_update_constants(tn),
                                         _params("state_update", dt, dt_dtype, state_dtype),
                                         hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+                        # the in-place kernel: the same dtypes, tiles and hint rule
+                        hints = tuple(sorted(decode.state_update_inplace_hints(dt, aligned).items()))
+                        out.append(Spec("state_update_inplace", dt, decode.state_update_constants(tn),
+                                        _params("state_update_inplace", dt, dt_dtype, state_dtype),
+                                        hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+    # The gated RMSNorm (norm.py): activations' dtype x group tile, each tile with its hints.
+    for dt in INPUT_DTYPES:
+        for gt in norm.NORM_GROUP_TILES:
+            for name in ("gated_norm", "gated_norm_bwd"):
+                out.append(Spec(name, dt, norm.norm_constants(gt), _params(name, dt), norm.norm_hints(gt)))
+    # The causal convolution (conv.py): activations' dtype x width (x SiLU for the backward, whose u is
+    # recomputed only with it); the update x conv_state's dtype (conv.update_state_dtypes).
+    for dt in INPUT_DTYPES:
+        for width in conv.KERNEL_WIDTHS:
+            out.append(Spec("causal_conv1d", dt, conv.conv_constants(width), _params("causal_conv1d", dt),
+                            _hints("causal_conv1d", dt, 0)))
+            for act in (False, True):
+                out.append(Spec("causal_conv1d_bwd", dt, conv.conv_bwd_constants(width, act),
+                                _params("causal_conv1d_bwd", dt), _hints("causal_conv1d_bwd", dt, 0)))
+        for sd in conv.update_state_dtypes(dt):
+            out.append(Spec("causal_conv1d_update", dt, conv.update_constants(),
+                            _params("causal_conv1d_update", dt, state_dtype=sd), _hints("causal_conv1d_update", dt, 0),
+                            dtypes=(("state", sd),)))
     # Each with 64-bit-indexed arrays also as its 32-bit twin.
     out += [dataclasses.replace(s, narrow=True) for s in out if index_width.has_wide_arrays(s.kernel)]
     return out

@@ -14,6 +14,8 @@ loop for larger dstate); each tile of the new state is stored to the fresh outpu
 and its float32 values feed y, so y sees the unrounded state, as in the reference. Nothing is written in
 place. Everything is computed in float32; flags that only pick a branch (dt_bias, softplus, D, z) are
 run-time arguments. has_d: 0 no D, 1 one value per head (D given as (nheads, 1)), 2 (nheads, headdim).
+The step size and the output's D and z terms are device helpers (step_decay, gated_output) that the in-place
+kernel (state_update_inplace.py) shares.
 """
 
 from __future__ import annotations
@@ -39,13 +41,7 @@ def state_update_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt
     h = pid // n_ptiles
     g = h // heads_per_group
 
-    d = ct.load(dt, (b, h), shape=()).astype(ct.float32)
-    if has_bias != 0:
-        d = d + ct.load(dt_bias, (h,), shape=()).astype(ct.float32)
-    if dt_softplus != 0:
-        d = softplus(d)
-    d = ct.minimum(ct.maximum(d, dt_min), dt_max)
-    decay = ct.exp(d * ct.load(A, (h,), shape=()).astype(ct.float32))
+    d, decay = step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max)
 
     xp = ct.load(x, (b, h, pt), shape=(1, 1, TP), padding_mode=_ZERO).reshape((TP,)).astype(ct.float32)
     dx = d * xp
@@ -61,6 +57,24 @@ def state_update_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt
         # Padded columns of B and C are zero, so they add nothing to y.
         acc = acc + ct.sum(s * ck[None, :], axis=1)
 
+    acc = gated_output(acc, xp, D, z, b, h, pt, has_d, has_z, TP)
+    ct.store(y, (b, h, pt), acc.astype(y.dtype).reshape((1, 1, TP)))
+
+
+def step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max):
+    """(d, exp(d * A)) of batch row b, head h: d = dt (+ dt_bias), softplus if dt_softplus, clamped to
+    [dt_min, dt_max]; float32."""
+    d = ct.load(dt, (b, h), shape=()).astype(ct.float32)
+    if has_bias != 0:
+        d = d + ct.load(dt_bias, (h,), shape=()).astype(ct.float32)
+    if dt_softplus != 0:
+        d = softplus(d)
+    d = ct.minimum(ct.maximum(d, dt_min), dt_max)
+    return d, ct.exp(d * ct.load(A, (h,), shape=()).astype(ct.float32))
+
+
+def gated_output(acc, xp, D, z, b, h, pt, has_d, has_z, TP):
+    """acc (the TP rows of new . C) plus D * x, times silu(z) where z is given (float32)."""
     if has_d == 1:
         acc = acc + xp * ct.load(D, (h, 0), shape=()).astype(ct.float32)
     if has_d == 2:
@@ -69,4 +83,4 @@ def state_update_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt
     if has_z != 0:
         zf = ct.load(z, (b, h, pt), shape=(1, 1, TP), padding_mode=_ZERO).reshape((TP,)).astype(ct.float32)
         acc = acc * silu(zf)
-    ct.store(y, (b, h, pt), acc.astype(y.dtype).reshape((1, 1, TP)))
+    return acc

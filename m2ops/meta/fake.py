@@ -61,6 +61,12 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_m
     return x.new_empty(x.shape), state.new_empty(decode_state_shape(b, h, p, B.shape[-1]))
 
 
+def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus, dt_min, dt_max,
+                         out):
+    """Nothing: the op writes state and out, which it declares as mutated."""
+    return None
+
+
 def state_update_bwd(g_y, g_state, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max):
     return (state.new_empty(state.shape), x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape),
             B.new_empty(B.shape), C.new_empty(C.shape), _like(D, g_y), _like(z, g_y), _like(dt_bias, g_y))

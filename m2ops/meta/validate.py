@@ -138,8 +138,11 @@ def _check_dt_limit(dt_limit, where=_WHERE):
 _WHERE_DECODE = "m2ops.selective_state_update"
 
 
-def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-    """The one-token update's rules (Mamba-2 shapes, one dt and one A per head); errors name the argument."""
+def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
+                              state_batch_indices=None, out=None, in_place=False):
+    """The one-token update's rules (Mamba-2 shapes, one dt and one A per head); errors name the argument.
+    With state_batch_indices, state is a cache of any number of rows (cache_rows, nheads, headdim, dstate);
+    in_place: state (and out) are written, so they must not be expanded views."""
     w = _WHERE_DECODE
     _tensor("x", x, FLOAT_DTYPES, "floating", w)
     if x.dim() != 3:
@@ -157,7 +160,10 @@ def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
     _tensor("C", C, FLOAT_DTYPES, "floating", w)
     _shape("C", C, (b, g, n), "(batch, ngroups, dstate) like B", w)
     _tensor("state", state, FLOAT_DTYPES, "floating", w)
-    _shape("state", state, (b, h, p, n), "(batch, nheads, headdim, dstate)", w)
+    if state_batch_indices is None:
+        _shape("state", state, (b, h, p, n), "(batch, nheads, headdim, dstate)", w)
+    else:
+        _check_state_cache(state, state_batch_indices, b, h, p, n, w)
     _tensor("dt", dt, FLOAT_DTYPES, "floating", w)
     _shape("dt", dt, (b, h), "(batch, nheads)", w)
     _tensor("A", A, FLOAT_DTYPES, "floating", w)
@@ -166,13 +172,48 @@ def check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
     if z is not None:
         _tensor("z", z, FLOAT_DTYPES, "floating", w)
         _shape("z", z, (b, h, p), "(batch, nheads, headdim) like x", w)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__, w)
+        if out.dtype != x.dtype:
+            _fail(TypeError, "out", f"of x's dtype ({x.dtype})", out.dtype, w)
+        _shape("out", out, (b, h, p), "(batch, nheads, headdim) like x", w)
     for name, t in (("state", state), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
-                    ("dt_bias", dt_bias)):
+                    ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices), ("out", out)):
         if t is not None:
             _device(name, t, x.device, w)
+    if in_place:
+        for name, t in (("state", state), ("out", out)):
+            if t is not None and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+                _fail(ValueError, name, "a tensor whose elements do not share memory (it is written in place)",
+                      f"an expanded view of strides {tuple(t.stride())}", w)
     if not isinstance(dt_softplus, bool):
         _fail(TypeError, "dt_softplus", "a bool", type(dt_softplus).__name__, w)
     _check_dt_limit(dt_limit, w)
+
+
+def _check_state_cache(state, state_batch_indices, b, h, p, n, w):
+    """state as a cache that state_batch_indices ((batch,) integers) picks rows of."""
+    _tensor("state_batch_indices", state_batch_indices, INDEX_DTYPES, "integer", w)
+    _shape("state_batch_indices", state_batch_indices, (b,), "(batch,)", w)
+    if state.dim() != 4 or tuple(state.shape[1:]) != (h, p, n) or state.shape[0] < 1:
+        _fail(ValueError, "state", f"of shape (cache_rows, nheads, headdim, dstate) = (cache_rows, {h}, {p}, {n}) "
+              "with cache_rows >= 1", tuple(state.shape), w)
+
+
+def check_state_batch_indices(state_batch_indices, cache_rows):
+    """The values of state_batch_indices: each below cache_rows (a negative one is a padding slot), the
+    non-negative ones distinct (two batch rows must not update one cache row). Reads the values: the decode step
+    calls it where they are on the CPU (on a GPU it would cost a host synchronisation per token)."""
+    w = _WHERE_DECODE
+    rows = state_batch_indices
+    if bool((rows >= cache_rows).any()):
+        _fail(ValueError, "state_batch_indices", f"below cache_rows = state.shape[0] = {cache_rows} (negative: a "
+              "padding slot)", f"the value {int(rows.max())}", w)
+    used = rows[rows >= 0]
+    if used.unique().numel() != used.numel():
+        _fail(ValueError, "state_batch_indices", "distinct where non-negative (one batch row per cache row)",
+              "a repeated row", w)
 
 
 def should_check_values(*tensors) -> bool:

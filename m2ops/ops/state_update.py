@@ -1,9 +1,9 @@
-"""m2ops::state_update: one token of the Mamba-2 recurrence (decoding), functional.
+"""m2ops::state_update: one token of the Mamba-2 recurrence (decoding), functional, with its backward.
 
-The op returns (y, new_state) and writes nothing: mamba_ssm's selective_state_update updates `state` in place,
-but an op without mutation needs no aliasing annotations, traces into torch.compile graphs as a plain node and
-replays under CUDA graphs without hidden writes. Callers that keep a cache tensor copy the new state into it
-(`state.copy_(new_state)`), which costs one state-sized copy per token.
+The op returns (y, new_state) and writes nothing, so autograd can differentiate it (the layer's training-time
+step) and torch.compile traces it as a plain node. Its public form is selective_state_update_functional.
+m2ops.selective_state_update, mamba_ssm's in-place meaning (a state cache updated in place, rows picked by
+index), is m2ops::state_update_inplace (ops/state_update_inplace.py): no state-sized copy per token, no gradients.
 """
 
 from __future__ import annotations
@@ -59,6 +59,18 @@ def _backward(ctx, g_y, g_state):
 state_update.register_autograd(_backward, setup_context=_setup)
 
 
+def mamba_ssm_arguments(A, dt, dt_bias):
+    """(A, dt, dt_bias) with mamba_ssm's broadcast forms taken back to one value per head (see _untie); tensors
+    already in m2ops's forms, and non-tensors (left to the checks), pass unchanged."""
+    if isinstance(A, Tensor):
+        A = _untie("A", A, 1)
+    if isinstance(dt, Tensor):
+        dt = _untie("dt", dt, 2)
+    if isinstance(dt_bias, Tensor):
+        dt_bias = _untie("dt_bias", dt_bias, 1)
+    return A, dt, dt_bias
+
+
 def _untie(name, t, per_head_dims):
     """mamba_ssm's callers pass A as (nheads, headdim, dstate), dt as (batch, nheads, headdim) and dt_bias as
     (nheads, headdim), broadcast by expand/repeat from one value per head. Take that one value back; a tensor
@@ -73,9 +85,10 @@ def _untie(name, t, per_head_dims):
     return t[(slice(None),) * per_head_dims + (0,) * extra]
 
 
-def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           dt_limit=(0.0, float("inf"))):
-    """One decoding step of the Mamba-2 SSM, like mamba_ssm's selective_state_update but functional.
+def selective_state_update_functional(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                                      dt_limit=(0.0, float("inf"))):
+    """One decoding step of the Mamba-2 SSM, like mamba_ssm's selective_state_update but functional and
+    differentiable (m2ops::state_update). m2ops.selective_state_update updates a cache in place instead.
 
     Args:
         state: (batch, nheads, headdim, dstate) state before the token (float32 usually); not modified.
@@ -92,15 +105,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     headdim), made with expand or repeat) are accepted as well.
 
     Returns:
-        (y like x, new_state of state's dtype). To update a cache in place as mamba_ssm does:
-        `y, new = selective_state_update(state, ...); state.copy_(new)`.
+        (y like x, new_state of state's dtype).
     """
     from ..meta.validate import check_state_update_inputs
-    if isinstance(A, Tensor):
-        A = _untie("A", A, 1)
-    if isinstance(dt, Tensor):
-        dt = _untie("dt", dt, 2)
-    if isinstance(dt_bias, Tensor):
-        dt_bias = _untie("dt_bias", dt_bias, 1)
+    A, dt, dt_bias = mamba_ssm_arguments(A, dt, dt_bias)
     check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
     return state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, float(dt_limit[0]), float(dt_limit[1]))

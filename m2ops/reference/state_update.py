@@ -1,4 +1,5 @@
-"""One token of the Mamba-2 recurrence (decoding), in plain PyTorch: the definition of m2ops::state_update.
+"""One token of the Mamba-2 recurrence (decoding), in plain PyTorch: the definitions of m2ops::state_update
+(functional) and m2ops::state_update_inplace (the same step on rows of a state cache, written back in place).
 
     dt    = dt (+ dt_bias), softplus if dt_softplus (identity above 20), clamped to [dt_min, dt_max]
     state = exp(dt * A) * state + dt * outer(x, B)       per head; head k reads group k // (nheads / ngroups)
@@ -39,3 +40,29 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     if z is not None:
         y = y * F.silu(z.to(acc))
     return y.to(x.dtype).contiguous(), new.to(state.dtype).contiguous()
+
+
+def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus: bool,
+                         dt_min: float, dt_max: float, out):
+    """m2ops::state_update_inplace: state_update on cache rows, written back in place. Batch row b uses cache row b,
+    or state_batch_indices[b]; a row outside [0, cache_rows) (negative: a padding slot) is skipped: its cache row
+    and its row of out are left as they are. y goes into out. Returns nothing.
+
+    Without a host synchronisation (no boolean indexing: the fallback on a CUDA device stays capturable): the
+    rows are gathered, updated by state_update and scattered back by one index_copy_, in which a skipped batch
+    row writes the same values as the first used one (or, when none is used, cache row 0 its own values), so no
+    cache row receives two different values unless the caller repeats a row."""
+    if state_batch_indices is None:
+        y, new = state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max)
+        state.copy_(new)
+        out.copy_(y)
+        return
+    rows = state_batch_indices.long()
+    used = (rows >= 0) & (rows < state.shape[0])
+    y, new = state_update(state[rows.clamp(0, state.shape[0] - 1)], x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                          dt_min, dt_max)
+    any_used, first = used.any(), used.int().argmax()
+    target = torch.where(used, rows, torch.where(any_used, rows[first], 0))
+    src = torch.where(used[:, None, None, None], new, torch.where(any_used, new[first], state[0]))
+    state.index_copy_(0, target, src)
+    out.copy_(torch.where(used[:, None, None], y, out))

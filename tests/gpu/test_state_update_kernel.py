@@ -318,3 +318,242 @@ def test_dispatch_runs_the_kernel(monkeypatch):
     assert len(calls) == 1, "m2ops::state_update did not run the kernel"
     ey, enew = ref.state_update(**_cpu(kw))
     assert rel_err(y, ey) <= TOL[ey.dtype] and rel_err(new, enew) <= TOL[enew.dtype]
+
+
+# ---- in place: m2ops::state_update_inplace (decode.state_update_inplace) ----
+
+def _cache_case(kw, cache_extra, indexed, index_dtype, pad_every, seed, layout="contig"):
+    """(cache, rows): kw's state rows placed in a cache of batch + cache_extra rows (in `layout`, see _layout), at
+    rows of a seeded permutation, every pad_every-th batch row a padding slot (-1); rows None when not indexed
+    (the cache is then kw's state itself)."""
+    state = kw["state"]
+    b = state.shape[0]
+    if not indexed:
+        return state, None
+    gen = torch.Generator().manual_seed(seed)
+    n_rows = b + cache_extra
+    perm = torch.randperm(n_rows, generator=gen)[:b]
+    rows = torch.where(torch.arange(b) % pad_every == pad_every - 1, -1, perm) if pad_every else perm
+    dense = torch.randn(n_rows, *state.shape[1:], generator=gen, dtype=torch.float64).to(state.dtype)
+    used = rows >= 0
+    dense[rows[used]] = state.cpu()[used]
+    return _layout(dense.to(state.device), layout), rows.to(index_dtype).to(state.device)
+
+
+def _check_inplace(kw, *, indexed=True, index_dtype=torch.int32, cache_extra=3, pad_every=3, with_out=False,
+                   seed=0, layout="contig", what=""):
+    """Run the in-place launcher on a cache (poisoned allocator) and the reference on CPU copies: used rows within
+    TOL, every other cache row and every skipped output row bit for bit as before; inputs unchanged."""
+    cache, rows = _cache_case(kw, cache_extra, indexed, index_dtype, pad_every, seed, layout)
+    args = {k: v for k, v in kw.items() if k != "state"}
+    x = kw["x"]
+    out = torch.full(x.shape, 3.0, dtype=x.dtype, device=x.device) if with_out else torch.zeros_like(x)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    cache_before, out_before = cache.cpu().clone(), out.cpu().clone()
+    want_cache, want_out = cache.cpu().clone(), out.cpu().clone()
+    ref.state_update_inplace(want_cache, **_cpu(args), state_batch_indices=None if rows is None else rows.cpu(),
+                             out=want_out)
+    poison_allocator()
+    ptr = cache.data_ptr()
+    assert decode.state_update_inplace(cache, **args, state_batch_indices=rows, out=out) is None
+    torch.cuda.synchronize()
+    assert cache.data_ptr() == ptr
+    b = x.shape[0]
+    used = list(range(b)) if rows is None else [i for i in range(b) if 0 <= int(rows[i]) < cache.shape[0]]
+    target = used if rows is None else [int(rows[i]) for i in used]
+    got_cache, got_out = cache.cpu(), out.cpu()
+    for name, o, e in (("y", got_out[used], want_out[used]), ("state", got_cache[target], want_cache[target])):
+        err = rel_err(o, e)
+        assert err <= TOL[e.dtype], f"{what} {name}: relative error {err:.3e} > {TOL[e.dtype]:.0e}"
+    others = [r for r in range(cache.shape[0]) if r not in target]
+    assert torch.equal(got_cache[others], cache_before[others]), f"{what}: a cache row no index names was written"
+    skipped = [i for i in range(b) if i not in used]
+    assert torch.equal(got_out[skipped], out_before[skipped]), f"{what}: a padding slot's output row was written"
+    for k, v in before.items():
+        assert torch.equal(args[k], v), f"{what}: input {k} was written"
+    return cache, out
+
+
+@st.composite
+def inplace_cases(draw):
+    case = draw(cases())
+    return case, dict(indexed=draw(st.booleans()), index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+                      cache_extra=draw(st.sampled_from([0, 1, 5])), pad_every=draw(st.sampled_from([0, 2, 3])),
+                      with_out=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
+
+
+@given(inplace_cases())
+@SWEEP
+def test_inplace_matches_reference(c):
+    case, opts = c
+    _check_inplace(make_inputs(**case), **opts, layout=case["state_layout"], what=str(c))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dstate", [16, 64, 128, 256, 300])
+def test_inplace_every_tile_and_dtype(dtype, dstate):
+    _check_inplace(make_inputs(dtype=dtype, dstate=dstate, headdim=64, nheads=8, ngroups=2, D="hp", z=True),
+                   with_out=True, what=f"{dtype} dstate={dstate}")
+
+
+# Each stride class with a bfloat16 and a float32 state (the table's build where rows are not 16-byte multiples,
+# the occupancy-4 build where they are), on the example occupancy 4 once got wrong.
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("headdim,dstate", STRIDE_CLASSES)
+def test_inplace_stride_classes(headdim, dstate, state_dtype):
+    _check_inplace(make_inputs(**{**ODD_CASE, "headdim": headdim, "dstate": dstate, "state_dtype": state_dtype}),
+                   what=f"headdim {headdim} dstate {dstate}")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_inplace_model_sized(state_dtype):
+    """Mamba-2 2.7B decode shapes into a cache of 64 rows, batch 1 and 16, with and without indices."""
+    for batch in (1, 16):
+        for indexed in (False, True):
+            _check_inplace(make_inputs(dtype=torch.bfloat16, batch=batch, nheads=80, ngroups=1, headdim=64,
+                                       dstate=128, state_dtype=state_dtype, D="h", z=True),
+                           indexed=indexed, cache_extra=64 - batch, pad_every=5,
+                           what=f"batch={batch} indexed={indexed} state={state_dtype}")
+
+
+def test_inplace_int64_indices_beyond_int32_are_skipped():
+    """int64 indices far outside int32 (either sign) are clamped by the launcher, not wrapped into the cache."""
+    kw = make_inputs(batch=4, D="h")
+    args = {k: v for k, v in kw.items() if k != "state"}
+    cache = torch.randn(6, *kw["state"].shape[1:], device="cuda")
+    before = cache.clone()
+    rows = torch.tensor([2 ** 32 + 1, -(2 ** 32) + 2, 2 ** 40, 5], dtype=torch.int64, device="cuda")
+    out = torch.full_like(kw["x"], 3.0)
+    decode.state_update_inplace(cache, **args, state_batch_indices=rows, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(cache[:5], before[:5]) and not torch.equal(cache[5], before[5])
+    assert torch.equal(out[:3], torch.full_like(out[:3], 3.0))
+
+
+def test_inplace_no_host_synchronisation():
+    """The in-place launcher never waits on the device: int64 indices, conversions (a state of the other 16-bit
+    dtype, y through a copy of out), and the public function with its checks (indices on the GPU: not read)."""
+    import m2ops
+    cases_ = ((make_inputs(D="h", z=True), torch.int64, False),
+              (make_inputs(dtype=torch.float16, bc_dtype=torch.float32, state_dtype=torch.bfloat16, D="hp"),
+               torch.int32, True))
+    for kw, index_dtype, with_out in cases_:
+        cache, rows = _cache_case(kw, 3, True, index_dtype, 2, 0)
+        args = {k: v for k, v in kw.items() if k != "state"}  # the launcher's keywords
+        pub = {k: v for k, v in args.items() if k not in ("dt_min", "dt_max")}
+        pub["dt_limit"] = (args["dt_min"], args["dt_max"])
+        out = torch.zeros_like(kw["x"])
+
+        def both():
+            decode.state_update_inplace(cache, **args, state_batch_indices=rows, out=out)
+            m2ops.selective_state_update(cache, **pub, state_batch_indices=rows, out=out if with_out else None)
+
+        both()  # JIT compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            both()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def test_inplace_cuda_graph_decode_steps():
+    """Decode steps of the public in-place function into a cache, rows picked by indices with a padding slot,
+    captured once and replayed on new data (the cache itself the graph's state): the reference's results."""
+    import m2ops
+    steps, b, h, g, p, n, n_rows = 4, 3, 8, 2, 64, 128, 5
+    dtype = torch.bfloat16
+    rows = torch.tensor([3, -1, 0], dtype=torch.int32, device="cuda")
+
+    def fresh(seed):
+        per_step = [make_inputs(batch=b, nheads=h, ngroups=g, headdim=p, dstate=n, dtype=dtype, D="h", z=True,
+                                seed=seed * 100 + i) for i in range(steps)]
+        cache = torch.randn(n_rows, h, p, n, generator=torch.Generator().manual_seed(seed)).cuda()
+        return cache, {k: torch.stack([s[k] for s in per_step]) for k in ("x", "dt", "B", "C", "z")}, per_step[0]
+
+    cache0, seq0, fixed = fresh(0)
+    cache_buf = cache0.clone()
+    bufs = {k: v.clone() for k, v in seq0.items()}
+    ys = torch.zeros(steps, b, h, p, dtype=dtype, device="cuda")
+    A, D, dt_bias = fixed["A"], fixed["D"], fixed["dt_bias"]
+
+    def steps_into_the_cache():
+        for i in range(steps):
+            m2ops.selective_state_update(cache_buf, bufs["x"][i], bufs["dt"][i], A, bufs["B"][i], bufs["C"][i], D=D,
+                                         z=bufs["z"][i], dt_bias=dt_bias, dt_softplus=True,
+                                         state_batch_indices=rows, out=ys[i])
+        return ys
+
+    graph, _ = captured(steps_into_the_cache)  # (compiled before the capture; the warm-up moved the cache on)
+
+    for seed in (1, 2):
+        cache, seq, _ = fresh(seed)
+        cache_buf.copy_(cache)
+        for k, v in seq.items():
+            bufs[k].copy_(v)
+        ys.fill_(5.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cache.cpu()
+        for i in range(steps):
+            want_y = torch.full((b, h, p), 5.0, dtype=dtype)
+            ref.state_update_inplace(want, seq["x"][i].cpu(), seq["dt"][i].cpu(), A.cpu(), seq["B"][i].cpu(),
+                                     seq["C"][i].cpu(), D.cpu(), seq["z"][i].cpu(), dt_bias.cpu(), rows.cpu(), True,
+                                     0.0, INF, want_y)
+            err = rel_err(ys[i][[0, 2]], want_y[[0, 2]])
+            assert err <= TOL[dtype], f"replay {seed} step {i} y: {err:.3e}"
+            assert torch.equal(ys[i][1].cpu(), want_y[1]), f"replay {seed} step {i}: the padding slot's y written"
+        err = rel_err(cache_buf[[3, 0]], want[[3, 0]])
+        assert err <= steps * TOL[torch.float32], f"replay {seed} cache: {err:.3e}"
+        assert torch.equal(cache_buf[[1, 2, 4]].cpu(), cache.cpu()[[1, 2, 4]]), "rows no index names were written"
+
+
+def test_inplace_compiles_fullgraph_on_cuda():
+    """torch.compile(fullgraph=True) of the public in-place function on the GPU: the eager call's results and
+    cache writes (the op is functionalised and written back; its kernel runs either way)."""
+    import m2ops
+    torch._dynamo.reset()
+    kw = make_inputs(batch=3, D="h", z=True)
+    args = {k: v for k, v in kw.items() if k not in ("state", "dt_min", "dt_max")}
+    cache, rows = _cache_case(kw, 2, True, torch.int64, 3, 1)
+
+    def fn(cache, rows):
+        return m2ops.selective_state_update(cache, **args, state_batch_indices=rows)
+
+    c1, c2 = cache.clone(), cache.clone()
+    got = torch.compile(fn, fullgraph=True)(c1, rows)
+    want = fn(c2, rows)
+    torch.cuda.synchronize()
+    torch._dynamo.reset()
+    assert torch.equal(got, want) and torch.equal(c1, c2)
+
+
+def test_inplace_dispatch_runs_the_kernel(monkeypatch):
+    """m2ops::state_update_inplace on CUDA calls the launcher m2ops.kernels.state_update_inplace (not the kernel
+    module of the same name, and not the reference)."""
+    from m2ops import kernels
+    from m2ops.ops import dispatch
+    assert kernels.state_update_inplace is decode.state_update_inplace
+    if not dispatch.use_kernels(torch.device("cuda")):
+        pytest.fail("dispatch does not use the cuTile kernels on this device (M2OPS_FORCE_REFERENCE set?)")
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return decode.state_update_inplace(*args)
+
+    monkeypatch.setattr(kernels, "state_update_inplace", counting)
+    kw = make_inputs(D="hp", z=True)
+    cache, rows = _cache_case(kw, 2, True, torch.int32, 2, 0)
+    want_cache, want_out = cache.cpu().clone(), torch.zeros(kw["x"].shape, dtype=kw["x"].dtype)
+    args = {k: v for k, v in kw.items() if k != "state"}
+    ref.state_update_inplace(want_cache, **_cpu(args), state_batch_indices=rows.cpu(), out=want_out)
+    out = torch.zeros_like(kw["x"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.ops.m2ops.state_update_inplace(cache, args["x"], args["dt"], args["A"], args["B"], args["C"], args["D"],
+                                             args["z"], args["dt_bias"], rows, args["dt_softplus"], args["dt_min"],
+                                             args["dt_max"], out)
+    assert len(calls) == 1, "m2ops::state_update_inplace did not run the kernel"
+    assert rel_err(out, want_out) <= TOL[want_out.dtype] and rel_err(cache, want_cache) <= TOL[want_cache.dtype]

@@ -1,0 +1,181 @@
+"""causal_conv1d kernel: the causal depthwise convolution (+ SiLU) of the Mamba-2 layer, forward.
+
+Launched by m2ops.kernels.conv.causal_conv1d, the CUDA implementation of m2ops::causal_conv1d; the math is
+m2ops/reference/conv1d.py's. One program per (token tile of BT tokens, channel tile of BC channels, batch row)
+reads x through its (batch, seqlen, channels) view, channels contiguous, and computes in float32:
+
+    u[t] = bias + sum_k weight[k] x[t - (W-1) + k] [id(t - (W-1) + k) == id(t)],   y = silu(u) or u
+
+A program loads its (BT, BC) tile and the HALO = 4 tokens before it (for the first tile: the history, as the
+launcher lays out initial_states, or zeros), each once. The taps read that window shifted by 0 .. W-1 tokens.
+cuTile has no shift of a tile, so the window is split into its token rows (ct.extract) and each shifted tile is
+put back together from the rows it needs (ct.cat, pairwise). tileiras lays such tiles out one channel per thread
+with the tokens in that thread's registers, so the rows and their concatenations are register renames: a sm_90
+build of width 4 (bfloat16, occupancy 4) loads 36 token rows per 32-token tile and otherwise works in 115
+registers, with 5 KB of shared memory for the weights' transpose and the broadcast ids. (That needs the arrays'
+base addresses to be known element-aligned, as they are at run time: built without that assumption, as the
+ahead-of-time signatures of specs.py are, the shifts go through ~220 KB of shared memory.) seq_idx compares the ids
+of the same shifted rows (the history's is 0; without seq_idx every id is 0 and the masks are all true).
+
+The last token tile's programs also write the final states (the last state_len inputs, history and masking as in
+the reference), a row at a time: a few rows per (batch row, channel tile).
+
+W (taps, unrolled), BT and BC are constants; bias, seq_idx, initial_states, SiLU and the final states are
+run-time flags (they select branches, not loops).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from .common import Big, ConstInt, silu
+
+_ZERO = ct.PaddingMode.ZERO
+
+# Tokens of history a tile carries before its first token: the taps of width up to 4 reach 3 back, and a tile
+# of 4 rows keeps the shapes powers of two (the backward's halo after a tile is as long).
+HALO = 4
+
+
+# ---- token rows of a tile (shared with conv1d_bwd.py) ----
+
+def rows_of(t, n, BC):
+    """The n token rows of a (n, BC) tile, as a tuple of (1, BC) tiles (compile-time)."""
+    rows = ()
+    for j in ct.static_iter(range(n)):
+        rows += (ct.extract(t, (j, 0), (1, BC)),)
+    return rows
+
+
+def ids_of(t, n):
+    """The n entries of a (n,) tile, as a tuple of (1,) tiles (compile-time)."""
+    out = ()
+    for j in ct.static_iter(range(n)):
+        out += (ct.extract(t, (j,), (1,)),)
+    return out
+
+
+def stack(rows):
+    """The rows (a power-of-two count of equal tiles) concatenated along axis 0, pairwise."""
+    level = rows
+    for _ in ct.static_iter(range(len(rows).bit_length() - 1)):
+        nxt = ()
+        for p in ct.static_iter(range(len(level) // 2)):
+            nxt += (ct.cat((level[2 * p], level[2 * p + 1]), 0),)
+        level = nxt
+    return level[0]
+
+
+def tap_rows(weight, cb, W: int, BC: int):
+    """weight[:, k] of the channel tile for k < W, as (1, BC) float32 rows (weight is float32 (channels, W))."""
+    wt = ct.transpose(ct.load(weight, (cb, 0), shape=(BC, HALO), padding_mode=_ZERO))
+    return rows_of(wt, HALO, BC)[:W]
+
+
+def bias_row(bias, cb, has_bias, BC: int):
+    br = ct.zeros((1, BC), dtype=ct.float32)
+    if has_bias != 0:
+        br = ct.load(bias, (cb,), shape=(BC,), padding_mode=_ZERO).reshape((1, BC))
+    return br
+
+
+def halo_before(x, hist, b, i, cb, has_init, BT: int, BC: int):
+    """(HALO, BC) float32: the HALO tokens before token tile i. For tile 0, hist: the history as the launcher lays
+    it out, float32 (batch, HALO, channels) with the W-1 entries of initial_states last (zeros before them), or
+    zeros. (A (1, HALO, BC) load either way: both branches get one register layout, where building tile 0's halo
+    from rows made tileiras convert it through shared memory.)"""
+    h = ct.zeros((HALO, BC), dtype=ct.float32)
+    if i > 0:
+        h = ct.load(x, (b, i * (BT // HALO) - 1, cb), shape=(1, HALO, BC),
+                    padding_mode=_ZERO).reshape((HALO, BC)).astype(ct.float32)
+    else:
+        if has_init != 0:
+            h = ct.load(hist, (b, 0, cb), shape=(1, HALO, BC), padding_mode=_ZERO).reshape((HALO, BC))
+    return h
+
+
+def ids_tile(seq_idx, b, i, has_seq, BT: int):
+    """(BT,) int32 sequence ids of token tile i (zeros without seq_idx)."""
+    ids = ct.zeros((BT,), dtype=ct.int32)
+    if has_seq != 0:
+        ids = ct.load(seq_idx, (b, i), shape=(1, BT), padding_mode=_ZERO).reshape((BT,))
+    return ids
+
+
+def ids_before(seq_idx, b, i, has_seq, BT: int):
+    """(HALO,) int32 ids of the HALO tokens before tile i: the history's are 0."""
+    ids = ct.zeros((HALO,), dtype=ct.int32)
+    if has_seq != 0:
+        if i > 0:
+            ids = ct.load(seq_idx, (b, i * (BT // HALO) - 1), shape=(1, HALO), padding_mode=_ZERO).reshape((HALO,))
+    return ids
+
+
+def shifted(rows, ids, start: int, ids_out, n: int):
+    """The n rows from start, with the rows whose id differs from ids_out (the ids of the tokens they are combined
+    with) zeroed: one tap's operand."""
+    same = stack(ids[start:start + n]) == ids_out
+    return ct.where(same[:, None], stack(rows[start:start + n]), 0.0)
+
+
+def last_id(seq_idx, b, seqlen, has_seq):
+    last = ct.zeros((), dtype=ct.int32)
+    if has_seq != 0:
+        last = ct.load(seq_idx, (b, seqlen - 1), shape=())
+    return last
+
+
+def final_row(x, hist, seq_idx, b, t, cb, seqlen, has_init, has_seq, last, BC: int):
+    """(1, BC) float32: the input at token t (the history's for -HALO <= t < 0, zeros before it and where the
+    token's id is not last)."""
+    row = ct.zeros((1, BC), dtype=ct.float32)
+    if t >= 0:
+        if t < seqlen:  # (rows past the end are clipped by the store; a load wholly outside is undefined)
+            row = ct.load(x, (b, t, cb), shape=(1, 1, BC), padding_mode=_ZERO).reshape((1, BC)).astype(ct.float32)
+            if has_seq != 0:
+                if ct.load(seq_idx, (b, t), shape=()) != last:
+                    row = ct.zeros((1, BC), dtype=ct.float32)
+    else:
+        if has_init != 0:
+            if t >= -HALO:
+                if last == 0:
+                    row = ct.load(hist, (b, HALO + t, cb), shape=(1, 1, BC), padding_mode=_ZERO).reshape((1, BC))
+    return row
+
+
+def write_final_states(x, hist, seq_idx, final, b, cb, seqlen, state_len, has_init, has_seq, BC: int):
+    """final ((batch, state_len, channels), channel-last) of batch row b, channel tile cb: the inputs at tokens
+    seqlen - state_len .. seqlen - 1, in blocks of HALO rows (the last one clipped)."""
+    last = last_id(seq_idx, b, seqlen, has_seq)
+    for jb in range(ct.cdiv(state_len, HALO)):
+        rows = ()
+        for r in ct.static_iter(range(HALO)):
+            t = seqlen - state_len + jb * HALO + r
+            rows += (final_row(x, hist, seq_idx, b, t, cb, seqlen, has_init, has_seq, last, BC),)
+        ct.store(final, (b, jb, cb), stack(rows).astype(final.dtype).reshape((1, HALO, BC)))
+
+
+@ct.kernel
+def causal_conv1d_kernel(x: Big, weight, bias, seq_idx, hist, y: Big, final,
+                         seqlen: int, has_bias: int, has_seq: int, has_init: int, act: int, state_len: int,
+                         W: ConstInt, BT: ConstInt, BC: ConstInt):
+    i = ct.bid(0)
+    cb = ct.bid(1)
+    b = ct.bid(2)
+
+    xt = ct.load(x, (b, i, cb), shape=(1, BT, BC), padding_mode=_ZERO).reshape((BT, BC)).astype(ct.float32)
+    rows = rows_of(halo_before(x, hist, b, i, cb, has_init, BT, BC), HALO, BC) + rows_of(xt, BT, BC)
+    ids = ids_tile(seq_idx, b, i, has_seq, BT)
+    idr = ids_of(ids_before(seq_idx, b, i, has_seq, BT), HALO) + ids_of(ids, BT)
+    taps = tap_rows(weight, cb, W, BC)
+
+    acc = ct.zeros((BT, BC), dtype=ct.float32) + bias_row(bias, cb, has_bias, BC)
+    for s in ct.static_iter(range(W)):  # tap W-1-s reads the token s before
+        acc = acc + shifted(rows, idr, HALO - s, ids, BT) * taps[W - 1 - s]
+    if act != 0:
+        acc = silu(acc)
+    ct.store(y, (b, i, cb), acc.astype(y.dtype).reshape((1, BT, BC)))
+
+    if state_len > 0:
+        if (i + 1) * BT >= seqlen:
+            write_final_states(x, hist, seq_idx, final, b, cb, seqlen, state_len, has_init, has_seq, BC)

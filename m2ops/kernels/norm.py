@@ -1,0 +1,147 @@
+"""Launchers of the gated RMSNorm (m2ops::rms_norm_gated and m2ops::rms_norm_gated_bwd): their tiles, their builds'
+hints, their launches. Signatures and outputs are the reference's (m2ops/reference/gated_norm.py).
+
+x, z and dy are read in place as (rows, ngroups, group_size) views: the leading dimensions must flatten to one row
+stride and the channels must be contiguous (the layer's z, a slice of in_proj's output, is such a view); other
+layouts are copied once. x and z (and dy) are read in their promoted dtype (converted when they differ; outputs
+converted back), weight and bias in float32. No host synchronisation; nothing depends on tensor values.
+Callers have decided that the kernels serve the call (ops.dispatch.kernels_serve, and group_size at most
+KERNEL_NORM_MAX_GROUP).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..meta.gated_norm import KERNEL_NORM_MAX_GROUP, norm_rstd_shape
+from . import runtime
+from .common import cdiv
+from .runtime import as_dtype, common_dtype, dense, dummy
+from .specialise import hinted
+
+# Group tiles: the group size rounded up to a power of two, from 64. Programs hold NORM_TILE_ELEMS elements of each
+# tile (NORM_TILE_ELEMS // GS rows; one row of the 8192 tile): memory-bound, so enough bytes per program, while
+# every tile the backward holds stays in registers.
+NORM_GROUP_TILES = tuple(1 << k for k in range(6, KERNEL_NORM_MAX_GROUP.bit_length()))
+NORM_TILE_ELEMS = 4096
+
+# Hints, from the sm_90 builds' resources (ptxas -v on tileiras 13.4's PTX, measure/kernel_resources.py; not yet
+# timed on a GPU). Without hints tileiras builds 128 threads and the backward spills (bfloat16: 284-640 bytes a
+# thread at 4096 elements, 2.7 KB at GS 8192). num_worker_warps=8 (256 threads) builds the forward at 71-94
+# registers and the backward at 194-238 without spills; at GS 8192 a pair of CTAs (num_ctas=2, a cluster on
+# sm_90+) shares each tile: forward 87 registers, backward 234 without spills (with one CTA it spills 892 bytes).
+NORM_HINTS = (("num_worker_warps", 8),)
+NORM_WIDE_HINTS = (("num_ctas", 2), ("num_worker_warps", 8))
+
+# Backward programs: each walks row blocks and keeps its weight and bias sums in registers, one row of partial sums
+# each in the end. One resident program per SM (the builds take 194-238 registers of 256 threads): enough to
+# stream, and few partial rows to sum.
+NORM_BWD_PROGRAMS_PER_SM = 1
+
+
+def norm_group_tile(group_size: int) -> int:
+    """GS: the group tile (group_size rounded up to a power of two, at least 64)."""
+    return max(NORM_GROUP_TILES[0], 1 << (group_size - 1).bit_length())
+
+
+def norm_constants(group_tile: int) -> dict:
+    return dict(BR=max(1, NORM_TILE_ELEMS // group_tile), GS=group_tile)
+
+
+def norm_hints(group_tile: int) -> tuple:
+    return NORM_WIDE_HINTS if group_tile > NORM_TILE_ELEMS else NORM_HINTS
+
+
+def _as_rows(t, hidden, dtype):
+    """t (..., hidden) as a (rows, hidden) view with unit channel stride, in dtype: copied only where its leading
+    dimensions do not flatten to one row stride, or its channels are not contiguous."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    if t.stride(-1) != 1 and hidden > 1:
+        t = t.contiguous()
+    try:
+        v = t.view(-1, hidden)
+    except RuntimeError:
+        v = t.reshape(-1, hidden)
+    return dense(v)
+
+
+def _grouped(t2, group_size):
+    """A (rows, hidden) view as (rows, ngroups, group_size)."""
+    return t2.view(t2.shape[0], t2.shape[1] // group_size, group_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(group_size: int):
+    gt = norm_group_tile(group_size)
+    k = norm_constants(gt)
+    hints = norm_hints(gt)
+    return k, hinted("gated_norm", hints), hinted("gated_norm_bwd", hints), hints
+
+
+def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_gate: bool):
+    """m2ops::rms_norm_gated on the GPU: (y like x, rstd (ngroups, rows) float32). One launch."""
+    hidden = x.shape[-1]
+    act = common_dtype(x, z)
+    x2 = _as_rows(x, hidden, act)
+    rows, ngroups = x2.shape[0], hidden // group_size
+    y = torch.empty((rows, hidden), dtype=act, device=x.device)
+    rstd = torch.empty(norm_rstd_shape(x.shape, group_size), dtype=torch.float32, device=x.device)
+    if rows > 0:
+        k, kernel, _, _ = _plan(group_size)
+        z3 = _grouped(_as_rows(z, hidden, act), group_size) if z is not None else dummy(x, act, 3)
+        w = as_dtype(weight, torch.float32).view(ngroups, group_size)
+        b = as_dtype(bias, torch.float32).view(ngroups, group_size) if bias is not None else dummy(x, torch.float32, 2)
+        runtime.launch((cdiv(rows, k["BR"]), ngroups, 1), kernel,
+                       (_grouped(x2, group_size), z3, w, b, _grouped(y, group_size), rstd,
+                        1.0 / group_size, float(eps), int(z is not None), int(bias is not None),
+                        int(z is not None and not norm_before_gate), k["BR"], k["GS"]))
+    y = y.view(x.shape)
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
+
+
+def norm_bwd_programs(n_row_blocks: int, ngroups: int, hints: tuple, device) -> int:
+    """Programs per group of the backward: NORM_BWD_PROGRAMS_PER_SM on every SM (a cluster of num_ctas takes as
+    many SMs), at most one per row block."""
+    per_program = dict(hints).get("num_ctas", 1)
+    want = cdiv(NORM_BWD_PROGRAMS_PER_SM * runtime.sm_count(device), per_program * ngroups)
+    return max(1, min(n_row_blocks, want))
+
+
+def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int, norm_before_gate: bool):
+    """m2ops::rms_norm_gated_bwd on the GPU: (dx like x, dweight like weight, dbias like bias, dz like z), each
+    contiguous; empty for an absent bias or z. One launch, and the sums of the programs' partial rows."""
+    hidden = x.shape[-1]
+    act = common_dtype(x, z)
+    x2 = _as_rows(x, hidden, act)
+    rows, ngroups = x2.shape[0], hidden // group_size
+    dev = x.device
+    dx = torch.empty((rows, hidden), dtype=act, device=dev)
+    dz = torch.empty((rows, hidden), dtype=act, device=dev) if z is not None else None
+    k, _, kernel, hints = _plan(group_size)
+    n_row_blocks = cdiv(rows, k["BR"])
+    programs = norm_bwd_programs(n_row_blocks, ngroups, hints, dev) if rows > 0 else 0
+    dw_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev)
+    db_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev) if bias is not None \
+        else None
+    if rows > 0:
+        z3 = _grouped(_as_rows(z, hidden, act), group_size) if z is not None else dummy(x, act, 3)
+        w = as_dtype(weight, torch.float32).view(ngroups, group_size)
+        b = as_dtype(bias, torch.float32).view(ngroups, group_size) if bias is not None else dummy(x, torch.float32, 2)
+        f32_3 = dummy(x, torch.float32, 3)
+        runtime.launch((programs, ngroups, 1), kernel,
+                       (_grouped(_as_rows(dy, hidden, act), group_size), _grouped(x2, group_size), z3, w, b,
+                        as_dtype(rstd, torch.float32), _grouped(dx, group_size),
+                        _grouped(dz, group_size) if dz is not None else dummy(x, act, 3),
+                        dw_part, db_part if db_part is not None else f32_3,
+                        n_row_blocks, programs, 1.0 / group_size,
+                        int(z is not None), int(bias is not None), int(z is not None and not norm_before_gate),
+                        k["BR"], k["GS"]))
+    dweight = dw_part.sum(0).view(weight.shape).to(weight.dtype)
+    dbias = db_part.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else dy.new_empty((0,))
+    dx = dx.view(x.shape)
+    dz = dz.view(z.shape) if dz is not None else dy.new_empty((0,))
+    return ((dx if dx.dtype == x.dtype else dx.to(x.dtype)), dweight, dbias,
+            (dz if z is None or dz.dtype == z.dtype else dz.to(z.dtype)))
+
