@@ -11,14 +11,14 @@ dict saved from it loads unchanged:
     out_proj.weight  (d_model, d_inner)
 
 What differs from mamba_ssm, on purpose:
-- The causal convolution is plain PyTorch (F.conv1d) and does restart at sequence boundaries (seq_idx, or
-  cu_seqlens): a tap never reads a token of another packed sequence, as causal_conv1d does with seq_idx.
-- Decoding is functional: `step` returns new caches instead of writing them, and there is no
-  inference_params; `forward(..., return_final_states=True)` returns the caches after a prompt instead.
+- The causal convolution (m2ops.causal_conv1d_fn, cuTile kernels on the GPU) restarts at sequence boundaries
+  given by seq_idx or cu_seqlens: a tap never reads a token of another packed sequence.
+- There is no inference_params: `forward(..., return_final_states=True)` returns the decoding caches after a
+  prompt (per packed sequence with cu_seqlens), and `step` updates them in place, as mamba_ssm's step does.
 - `step` applies dt_limit like `forward` does (mamba_ssm's step ignores it), so prefill + decode equals one
   forward over the whole sequence.
 - No tensor/sequence parallelism (process_group must be None); use_mem_eff_path is accepted and ignored
-  (there is no fused split-conv-scan kernel: in_proj, conv, scan, norm and out_proj run one after another).
+  (in_proj, convolution, scan, gated norm and out_proj run one after another).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from . import ops
 from .meta.shapes import compute_dtype
-from .meta.validate import FLOAT_DTYPES, seq_idx_from_cu_seqlens
+from .meta.validate import FLOAT_DTYPES
+from .conv1d import causal_conv1d_fn
+from .gated_norm import rms_norm_gated
 from .scan_combined import mamba_chunk_scan_combined
 
 
@@ -57,62 +59,10 @@ def _check_tensor(where, name, t, ndim, desc):
         _fail(where, ValueError, name, f"{ndim}-dimensional {desc}", tuple(t.shape))
 
 
-def causal_conv1d(x, weight, bias=None, seq_idx=None, history=None):
-    """Depthwise causal convolution, before the activation.
-
-    x (batch, channels, seqlen); weight (channels, width); bias (channels,) or None; history (batch, channels,
-    width - 1): the inputs just before x (zeros when None). With seq_idx (batch, seqlen) a tap that would read
-    a token of another sequence reads zero instead, i.e. the convolution restarts at every change of id; the
-    history counts as sequence id 0 (as the scan's initial_states does).
-    """
-    width = weight.shape[-1]
-    if history is None:
-        xp = F.pad(x, (width - 1, 0))
-    else:
-        xp = torch.cat([history.to(x.dtype), x], dim=-1)
-    if seq_idx is None:
-        return F.conv1d(xp, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype),
-                        groups=x.shape[1])
-    # Few taps (d_conv is 2-4): one masked multiply-add per tap is simpler than any segmented convolution.
-    L = x.shape[-1]
-    ids = torch.cat([seq_idx.new_zeros(seq_idx.shape[0], width - 1), seq_idx], dim=1)
-    w = weight.to(x.dtype)
-    out = None
-    for k in range(width):
-        same = (ids[:, k:k + L] == seq_idx).unsqueeze(1)
-        tap = xp[..., k:k + L] * w[:, k, None] * same
-        out = tap if out is None else out + tap
-    if bias is not None:
-        out = out + bias.to(x.dtype)[:, None]
-    return out
-
-
-def final_conv_state(x, width, history=None, seq_idx=None, cu_seqlens=None):
-    """The last `width` convolution inputs before the end of each sequence: the conv cache after a prompt.
-
-    x (batch, channels, seqlen) are the convolution's inputs, history (batch, channels, width) the cache the
-    prompt continued from (zeros when None). Returns (batch, channels, width), or with cu_seqlens one cache per
-    packed sequence, (num_sequences, channels, width). Entries that belong to an earlier sequence are zero.
-    """
-    b, c, L = x.shape
-    hist = x.new_zeros(b, c, width) if history is None else history.to(x.dtype)
-    full = torch.cat([hist, x], dim=-1)  # token t sits at index t + width
-    if cu_seqlens is not None:
-        starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-        pos = ends[:, None] - width + torch.arange(width, device=x.device)  # (nseq, width) token positions
-        # Sequence 0 owns the history, as it owns the scan's initial_states.
-        valid = (pos >= starts[:, None]) | (starts[:, None] == 0)
-        return full[0][:, pos + width].permute(1, 0, 2) * valid[:, None, :].to(x.dtype)
-    st = full[..., -width:]
-    if seq_idx is None:
-        return st
-    ids = torch.cat([seq_idx.new_zeros(b, width), seq_idx], dim=1)[:, -width:]
-    return st * (ids == seq_idx[:, -1:]).unsqueeze(1).to(x.dtype)
-
-
 class RMSNormGated(nn.Module):
-    """RMSNorm with a silu(z) gate, per group of `group_size` channels, computed in float32 or float64 (mamba_ssm's
-    layernorm_gated.RMSNorm semantics: gate before the norm unless norm_before_gate)."""
+    """RMSNorm with a silu(z) gate, per group of `group_size` channels (mamba_ssm's layernorm_gated.RMSNorm
+    semantics: gate before the norm unless norm_before_gate), through m2ops.rms_norm_gated (cuTile kernels on the
+    GPU; computed in float32, or float64 for float64 inputs)."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
@@ -122,15 +72,7 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x, z=None):
-        acc = compute_dtype(x.dtype)
-        h = x.to(acc)
-        if z is not None and not self.norm_before_gate:
-            h = h * F.silu(z.to(acc))
-        g = h.unflatten(-1, (-1, self.group_size))
-        h = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight.to(acc)
-        if z is not None and self.norm_before_gate:
-            h = h * F.silu(z.to(acc))
-        return h.to(x.dtype)
+        return rms_norm_gated(x, self.weight, z, None, self.eps, self.group_size, self.norm_before_gate)
 
 
 class Mamba2(nn.Module):
@@ -251,16 +193,18 @@ class Mamba2(nn.Module):
                          (batch, self.nheads, self.headdim, self.d_state), "(batch, nheads, headdim, d_state)")
 
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
-        conv_ids = seq_idx
-        if conv_ids is None and cu_seqlens is not None:
-            conv_ids = seq_idx_from_cu_seqlens(cu_seqlens, L)
-        xBC_t = xBC.transpose(1, 2)
-        history = None if conv_cache is None else conv_cache[:, :, 1:]
-        xBC = self.act(causal_conv1d(xBC_t, self.conv1d.weight[:, 0], self.conv1d.bias, conv_ids, history))
+        want_varlen = return_final_states and cu_seqlens is not None
+        # The convolution (+ SiLU) restarts where seq_idx / cu_seqlens start a sequence; its final states (the
+        # last d_conv inputs, per packed sequence with cu_seqlens) are the decoding cache. Its output comes back
+        # channel-last, so the split below is of contiguous rows.
+        conv = causal_conv1d_fn(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, seq_idx=seq_idx,
+                                initial_states=None if conv_cache is None else conv_cache[:, :, 1:],
+                                return_final_states=return_final_states, activation="silu", cu_seqlens=cu_seqlens,
+                                state_len=self.d_conv)
+        xBC, conv_state = conv if return_final_states else (conv, None)
         x, B, C = torch.split(xBC.transpose(1, 2), [self.d_ssm, self.ngroups * self.d_state,
                                                     self.ngroups * self.d_state], dim=-1)
         A = self._A()
-        want_varlen = return_final_states and cu_seqlens is not None
         res = mamba_chunk_scan_combined(
             x.unflatten(-1, (self.nheads, self.headdim)), dt, A,
             B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)),
@@ -275,13 +219,13 @@ class Mamba2(nn.Module):
             out = out.flatten(0, 1)
         if not return_final_states:
             return out
-        conv_state = final_conv_state(xBC_t, self.d_conv, conv_cache, conv_ids, cu_seqlens if want_varlen else None)
-        return out, conv_state, res[1]
+        return out, conv_state.to(self.conv1d.weight.dtype), res[1]
 
     def step(self, hidden_states, conv_state, ssm_state):
         """One token: hidden_states (batch, 1, d_model), caches from allocate_inference_cache or a prompt's
-        forward(..., return_final_states=True) -> (out (batch, 1, d_model), new conv_state, new ssm_state).
-        Functional: the caches passed in are not modified."""
+        forward(..., return_final_states=True) -> (out (batch, 1, d_model), conv_state, ssm_state). The caches are
+        updated in place, as mamba_ssm's step does, and returned (the same tensors): a decoding loop copies
+        nothing cache-sized per token and captures into one CUDA graph. No gradients flow through step."""
         _check_tensor("step", "hidden_states", hidden_states, 3, "(batch, 1, d_model)")
         _check_shape("step", "hidden_states", hidden_states, (hidden_states.shape[0], 1, self.d_model),
                      "(batch, 1, d_model)")
@@ -289,20 +233,16 @@ class Mamba2(nn.Module):
         _check_shape("step", "conv_state", conv_state, (b, self.conv_dim, self.d_conv), "(batch, conv_dim, d_conv)")
         _check_shape("step", "ssm_state", ssm_state, (b, self.nheads, self.headdim, self.d_state),
                      "(batch, nheads, headdim, d_state)")
-        dtype = hidden_states.dtype
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states[:, 0]))
-        conv_state = torch.cat([conv_state[:, :, 1:], xBC.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
-        xBC = (conv_state * self.conv1d.weight[:, 0].to(conv_state.dtype)).sum(-1)
-        if self.conv1d.bias is not None:
-            xBC = xBC + self.conv1d.bias.to(conv_state.dtype)
-        xBC = self.act(xBC).to(dtype)
+        xBC = ops.causal_conv1d_update(xBC, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias, True, None)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
-        A = self._A()
-        y, ssm_state = ops.state_update(
-            ssm_state, x.unflatten(-1, (self.nheads, self.headdim)), dt, A,
-            B.unflatten(-1, (self.ngroups, self.d_state)), C.unflatten(-1, (self.ngroups, self.d_state)),
-            self._D(), None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), self.dt_bias,
-            True, self.dt_limit[0], self.dt_limit[1])
+        x = x.unflatten(-1, (self.nheads, self.headdim))
+        y = torch.empty_like(x)
+        ops.state_update_inplace(
+            ssm_state, x, dt, self._A(), B.unflatten(-1, (self.ngroups, self.d_state)),
+            C.unflatten(-1, (self.ngroups, self.d_state)), self._D(),
+            None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), self.dt_bias, None, True,
+            self.dt_limit[0], self.dt_limit[1], y)
         out = self._finish(y.flatten(-2), z, z0, x0)
         return out.unsqueeze(1), conv_state, ssm_state
 
@@ -319,4 +259,4 @@ class Mamba2(nn.Module):
         return conv_state, ssm_state
 
 
-__all__ = ["Mamba2", "RMSNormGated", "causal_conv1d", "final_conv_state"]
+__all__ = ["Mamba2", "RMSNormGated"]

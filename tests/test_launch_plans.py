@@ -207,27 +207,55 @@ def test_state_update_hints_follow_the_rows_alignment(monkeypatch):
     assert step(64, 128, offset=1) is table  # the state starts 2 bytes off
 
 
+def test_state_update_inplace_hints_follow_the_rows_alignment(monkeypatch):
+    """The in-place decode kernel takes state_update's rule: the occupancy-4 build where every tiled array (the
+    cache, x, B, C, z, D, out) has 16-byte rows, the table's elsewhere; the indices do not count (read as one
+    value per program)."""
+    kernels = []
+    monkeypatch.setattr(runtime, "launch", lambda grid, kernel, args, *rest: kernels.append(kernel))
+    aligned = specialise.hinted("state_update_inplace", (("occupancy", decode.STATE_UPDATE_ALIGNED_OCCUPANCY),))
+    table = specialise.hinted_kernel("state_update_inplace", "bfloat16", 0)
+    assert aligned is not table
+
+    def step(p, n, offset=0, rows=None, b=2, h=4, g=2):
+        bf = dict(dtype=torch.bfloat16)
+        cache_rows = b if rows is None else 5
+        state = torch.randn(cache_rows * h * p * n + offset)[offset:].view(cache_rows, h, p, n)
+        decode.state_update_inplace(state, torch.randn(b, h, p, **bf), torch.rand(b, h, **bf), -torch.rand(h),
+                                    torch.randn(b, g, n, **bf), torch.randn(b, g, n, **bf), None,
+                                    torch.randn(b, h, p, **bf), None, rows, True, 0.0, float("inf"),
+                                    torch.empty(b, h, p, **bf))
+        return kernels[-1]
+
+    assert step(64, 128) is aligned
+    assert step(64, 128, rows=torch.tensor([3, -1])) is aligned
+    assert step(50, 128) is table  # x, y, z rows of 100 bytes
+    assert step(64, 100) is table  # B and C rows of 200 bytes
+    assert step(64, 128, offset=1) is table  # the cache starts 4 bytes off
+
+
 @pytest.mark.parametrize("rmsnorm", [True, False])
 def test_layer_decode_step_takes_the_aligned_state_update_build(monkeypatch, rmsnorm):
-    """The arrays m2ops.Mamba2.step hands the decode op (x, B, C, z as views into its projections, the float32
-    state cache) have 16-byte rows at a usual size (headdim 64, dstate 128, 8 heads), so on the GPU the step runs
-    state_update's occupancy-4 build, the one docs/layer.md's decode times are for."""
+    """The arrays m2ops.Mamba2.step hands the in-place decode op (x, B, C, z as views into its projections and
+    convolution output, the float32 state cache, y) have 16-byte rows at a usual size (headdim 64, dstate 128, 8
+    heads), so on the GPU the step runs state_update_inplace's occupancy-4 build, the one docs/layer.md's decode
+    times are for."""
     import m2ops
     from m2ops import layer as layer_mod
 
     seen = {}
-    real = layer_mod.ops.state_update
+    real = layer_mod.ops.state_update_inplace
 
     def spy(state, x, dt, A, B, C, D, z, *rest):
-        seen.update(state=state, x=x, B=B, C=C, z=z, D=D)
+        seen.update(state=state, x=x, B=B, C=C, z=z, D=D, out=rest[-1])
         return real(state, x, dt, A, B, C, D, z, *rest)
 
-    monkeypatch.setattr(layer_mod.ops, "state_update", spy)
+    monkeypatch.setattr(layer_mod.ops, "state_update_inplace", spy)
     mixer = m2ops.Mamba2(d_model=256, d_state=128, headdim=64, rmsnorm=rmsnorm, dtype=torch.bfloat16)
     conv_state, ssm_state = mixer.allocate_inference_cache(2)
     mixer.step(torch.randn(2, 1, 256, dtype=torch.bfloat16), conv_state, ssm_state)
     assert (seen["z"] is None) == rmsnorm and seen["x"].shape == (2, 8, 64) and seen["B"].shape == (2, 1, 128)
-    tiled = [seen[k] for k in ("state", "x", "B", "C", "z") if seen[k] is not None]
+    tiled = [seen[k] for k in ("state", "x", "B", "C", "z", "out") if seen[k] is not None]
     assert not all(t.is_contiguous() for t in tiled[1:])  # views into the projections, as on the GPU
     assert decode.rows_of_16_bytes(*tiled)
 
