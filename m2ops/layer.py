@@ -17,8 +17,15 @@ What differs from mamba_ssm, on purpose:
   prompt (per packed sequence with cu_seqlens), and `step` updates them in place, as mamba_ssm's step does.
 - `step` applies dt_limit like `forward` does (mamba_ssm's step ignores it), so prefill + decode equals one
   forward over the whole sequence.
-- No tensor/sequence parallelism (process_group must be None); use_mem_eff_path is accepted and ignored
-  (in_proj, convolution, scan, gated norm and out_proj run one after another).
+- No tensor/sequence parallelism (process_group must be None).
+
+use_mem_eff_path (default True), as in mamba_ssm: a forward that autograd records (gradients enabled, something
+requiring them) and returns no final states runs everything after in_proj as one op, m2ops.mixer_fn, whose autograd
+keeps only in_proj's output and the scan's output (besides the parameters); its backward recomputes the
+convolution, the dt tensors and the gated norm's output. Otherwise (use_mem_eff_path=False, inference,
+return_final_states) the ops run one after another, each keeping what its own backward reads. The two agree (float64:
+to 1e-10, tests/test_layer_mem_eff.py; on a GPU to rounding: the plain path's backward reuses the scan's bfloat16
+entering states, this one recomputes them in float32).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from .meta.shapes import compute_dtype
 from .meta.validate import FLOAT_DTYPES
 from .conv1d import causal_conv1d_fn
 from .gated_norm import rms_norm_gated
+from .mixer_fn import mixer_fn
 from .scan_combined import mamba_chunk_scan_combined
 
 
@@ -106,7 +114,7 @@ class Mamba2(nn.Module):
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = "silu"
         self.chunk_size = chunk_size
-        self.use_mem_eff_path = use_mem_eff_path  # accepted for call compatibility; nothing is fused here
+        self.use_mem_eff_path = use_mem_eff_path  # training through m2ops.mixer_fn (see forward)
         self.layer_idx = layer_idx
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
@@ -158,6 +166,27 @@ class Mamba2(nn.Module):
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)
         return self.out_proj(y)
 
+    def _mem_eff(self, zxbcdt, cache, return_final_states):
+        """Whether forward takes the memory-efficient path: use_mem_eff_path, a backward to come (gradients
+        recorded, something requiring them) and no final states to return."""
+        if not (self.use_mem_eff_path and torch.is_grad_enabled()) or return_final_states:
+            return False
+        tensors = (zxbcdt, *(cache or ()), *self.parameters())
+        return any(t.requires_grad for t in tensors)
+
+    def _mixer_mem_eff(self, zxbcdt, seq_idx, cu_seqlens, conv_cache, ssm_cache):
+        """Everything after in_proj as one op (m2ops.mixer_fn) whose autograd keeps zxbcdt and the scan's output
+        only; its backward recomputes the convolution, the dt tensors and the norm's output."""
+        norm = self.norm if self.rmsnorm else None
+        return mixer_fn(
+            zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self._A(), self._D(),
+            None if norm is None else norm.weight, self.out_proj.weight, self.out_proj.bias,
+            chunk_size=self.chunk_size, headdim=self.headdim, ngroups=self.ngroups, dt_limit=self.dt_limit,
+            seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+            conv_initial_states=None if conv_cache is None else conv_cache[:, :, 1:], ssm_initial_states=ssm_cache,
+            norm_eps=1e-5 if norm is None else norm.eps, norm_group_size=None if norm is None else norm.group_size,
+            norm_before_gate=self.norm_before_gate)
+
     # -----------------------------------------------------------------------------------------------------
 
     def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, cache=None, return_final_states=False):
@@ -192,7 +221,11 @@ class Mamba2(nn.Module):
             _check_shape("forward", "cache[1] (ssm_state)", ssm_cache,
                          (batch, self.nheads, self.headdim, self.d_state), "(batch, nheads, headdim, d_state)")
 
-        z0, x0, z, xBC, dt = self._split(self.in_proj(u))
+        zxbcdt = self.in_proj(u)
+        if self._mem_eff(zxbcdt, cache, return_final_states):
+            out = self._mixer_mem_eff(zxbcdt, seq_idx, cu_seqlens, conv_cache, ssm_cache)
+            return out.flatten(0, 1) if seqlen is not None else out
+        z0, x0, z, xBC, dt = self._split(zxbcdt)
         want_varlen = return_final_states and cu_seqlens is not None
         # The convolution (+ SiLU) restarts where seq_idx / cu_seqlens start a sequence; its final states (the
         # last d_conv inputs, per packed sequence with cu_seqlens) are the decoding cache. Its output comes back

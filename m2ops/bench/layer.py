@@ -3,7 +3,8 @@
 Both layers load one state dict (m2ops.Mamba2 keeps mamba_ssm's parameter names and shapes) and run on the same
 inputs. Implementations (--impls):
 
-  m2ops              m2ops.Mamba2
+  m2ops              m2ops.Mamba2 (training through its memory-efficient path, use_mem_eff_path=True)
+  m2ops-plain        m2ops.Mamba2(use_mem_eff_path=False): every op keeps what its own backward needs
   mamba_ssm          mamba_ssm.modules.mamba2.Mamba2 on its plain path (use_mem_eff_path=False): its Triton scan
                      and gated norm, and for the convolution causal-conv1d where importable, else nn.Conv1d
   mamba_ssm-memeff   the same on its memory-efficient path (use_mem_eff_path=True: one autograd function that
@@ -37,7 +38,7 @@ import torch
 
 from .check import rel_err
 
-IMPLS = ("m2ops", "mamba_ssm", "mamba_ssm-memeff")
+IMPLS = ("m2ops", "m2ops-plain", "mamba_ssm", "mamba_ssm-memeff")
 MODES = ("forward", "train", "decode")
 SMOKE = dict(d_model=32, d_state=16, headdim=8, shapes="2x40", decode_batches="1,3", runs=2, warmup=1,
              chunk_size=16)
@@ -126,7 +127,7 @@ def layer_kwargs(args) -> dict:
 
 def peer_status(impl: str):
     """None when impl can run here, else why not."""
-    if impl == "m2ops":
+    if impl.startswith("m2ops"):
         return None
     try:
         import mamba_ssm.modules.mamba2 as peer  # noqa: F401
@@ -138,9 +139,9 @@ def peer_status(impl: str):
 
 
 def build(impl: str, args, state_dict, device, dtype):
-    if impl == "m2ops":
+    if impl in ("m2ops", "m2ops-plain"):
         from ..layer import Mamba2
-        layer = Mamba2(**layer_kwargs(args), device=device, dtype=dtype)
+        layer = Mamba2(**layer_kwargs(args), use_mem_eff_path=impl == "m2ops", device=device, dtype=dtype)
     else:
         from mamba_ssm.modules.mamba2 import Mamba2
         layer = Mamba2(**layer_kwargs(args), use_mem_eff_path=impl == "mamba_ssm-memeff", device=device,
@@ -150,7 +151,7 @@ def build(impl: str, args, state_dict, device, dtype):
 
 
 def conv_path(impl: str) -> str:
-    if impl == "m2ops":
+    if impl.startswith("m2ops"):
         return "m2ops"
     import mamba_ssm.modules.mamba2 as peer
     return "causal-conv1d" if peer.causal_conv1d_fn is not None else "nn.Conv1d"
