@@ -11,10 +11,12 @@ from .layer import Mamba2
 from .ops.state_update import selective_state_update_functional
 from .ops.state_update_inplace import selective_state_update
 from .scan_combined import mamba_chunk_scan_combined
+from .scan_varlen import VarlenMeta, mamba_chunk_scan_combined_varlen, prepare_varlen
 
 __version__ = "0.1.0"
 __all__ = ["Mamba2", "mamba_chunk_scan_combined", "selective_state_update", "selective_state_update_functional",
-           "rms_norm_gated", "causal_conv1d_fn", "causal_conv1d_update", "pretune", "ops", "__version__"]
+           "rms_norm_gated", "causal_conv1d_fn", "causal_conv1d_update", "pretune", "ops", "__version__",
+           "mamba_chunk_scan_combined_varlen", "prepare_varlen", "VarlenMeta"]
 
 
 def __getattr__(name):

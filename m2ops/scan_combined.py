@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import ops
+from . import ops, sequence_states
 from .ops import dispatch, eager
 from .meta.validate import check_inputs, check_values, seq_idx_from_cu_seqlens, should_check_values
 
@@ -23,7 +23,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         D: optional skip connection, (nheads,) or (nheads, headdim).
         z: optional gate like x: the output is multiplied by silu(z).
         dt_bias: optional (nheads,) added to dt first.
-        initial_states: optional (batch, nheads, headdim, dstate) state before token 0 (of sequence 0).
+        initial_states: optional (batch, nheads, headdim, dstate) state before token 0 (of sequence 0); with
+            cu_seqlens also (num_sequences, nheads, headdim, dstate): sequence k starts from initial_states[k]
+            (m2ops/sequence_states.py; with one sequence the two forms are the same).
         seq_idx: optional (batch, seqlen) int32/int64 sequence ids, non-decreasing; the state restarts at
             each change.
         cu_seqlens: optional (num_sequences + 1,) cumulative lengths of sequences packed along seqlen
@@ -58,6 +60,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     deciding = (x, dt, B, C, z)
     serve = dispatch.kernels_serve(x.device, chunk_size, deciding)
     run_chunk = dispatch.run_chunk_size(chunk_size, seqlen, serve)
+
+    if sequence_states.is_per_sequence(initial_states, cu_seqlens):
+        y, final_states, varlen_states = sequence_states.scan(x, dt, A, B, C, run_chunk, D, z, dt_bias,
+                                                              initial_states, seq_idx, cu_seqlens, dt_softplus,
+                                                              dt_min, dt_max)
+        out = (y,) + ((final_states,) if return_final_states else ()) + ((varlen_states,) if return_varlen_states
+                                                                          else ())
+        return out[0] if len(out) == 1 else out
 
     if not return_varlen_states and eager.applies(serve, x, deciding + (A, D, dt_bias, initial_states, seq_idx)):
         if key is None:  # (no plan kept yet: this may be the first)

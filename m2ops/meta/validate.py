@@ -73,7 +73,17 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
         _shape("z", z, (b, T, h, p), "(batch, seqlen, nheads, headdim) like x")
     if initial_states is not None:
         _tensor("initial_states", initial_states, FLOAT_DTYPES, "floating")
-        _shape("initial_states", initial_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
+        nseq = (cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+                else None)
+        shape = tuple(initial_states.shape)
+        if nseq is not None and nseq > 1 and (shape == (nseq, h, p, n) or shape == (b, h, p, n)):  # (not `in`)
+            pass  # the batch form, or one start state per packed sequence (sequence_states.py)
+        elif nseq is not None and nseq > 1:
+            _fail(ValueError, "initial_states", f"of shape (batch, nheads, headdim, dstate) = {(b, h, p, n)} or, one "
+                  f"per packed sequence, (num_sequences, nheads, headdim, dstate) = {(nseq, h, p, n)}",
+                  tuple(initial_states.shape))
+        else:
+            _shape("initial_states", initial_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
     if seq_idx is not None:
         _tensor("seq_idx", seq_idx, INDEX_DTYPES, "integer")
         _shape("seq_idx", seq_idx, (b, T), "(batch, seqlen)")

@@ -1,0 +1,136 @@
+"""The serving interface on a GPU: mamba_chunk_scan_combined_varlen with per-sequence start states (the kernels for
+the chunk states and y, sequence_states.py's corrections in PyTorch), the state cache, out=, and the call with a
+VarlenMeta under a CUDA graph and torch.compile (no host synchronisation).
+
+    python -m pytest -q -m gpu tests/gpu/test_varlen_serving_gpu.py
+
+Expected values: the same function on the CPU (the reference ops, float32 for non-float64 inputs) on the same
+rounded inputs, so the kernels' own error is measured; tolerances are gpu_cases.TOL's (normwise), as for the
+plain varlen call: the corrections add one rounding of y to x's dtype at the tokens of each sequence's first chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_cases import DTYPES, TOL, captured, kernels_or_reason, poison_allocator, rel_err  # noqa: E402
+
+import m2ops  # noqa: E402
+
+_kernels, _reason = kernels_or_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_kernels is None, reason=str(_reason))]
+
+
+def _lengths(seed, total, nseq):
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[:nseq - 1].sort().values + 1
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32)
+
+
+def _case(dtype, seed=0, total=1000, nseq=12, h=8, p=64, g=2, n=64):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=gen) * scale
+    c = dict(x=r(total, h, p).to(dtype), dt=(r(total, h) * 0.5 - 1.0), A=-torch.rand(h, generator=gen) - 0.1,
+             B=r(total, g, n, scale=n ** -0.25).to(dtype), C=r(total, g, n, scale=n ** -0.25).to(dtype),
+             z=r(total, h, p).to(dtype), D=r(h), dt_bias=r(h) * 0.1)
+    cu = _lengths(seed, total, nseq)
+    starts = r(nseq, h, p, n)
+    return c, cu, starts
+
+
+def _call(c, cu, chunk, **kw):
+    return m2ops.mamba_chunk_scan_combined_varlen(c["x"], c["dt"], c["A"], c["B"], c["C"], chunk, cu, D=c["D"],
+                                                  z=c["z"], dt_bias=c["dt_bias"], dt_softplus=True, **kw)
+
+
+def _to(c, device):
+    return {k: v.to(device) for k, v in c.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [64, 256])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_start_states_against_cpu(dtype, chunk, seed):
+    c, cu, starts = _case(dtype, seed, total=1000 + 300 * seed, nseq=5 + 20 * seed)
+    y_ref, v_ref = _call(c, cu, chunk, initial_states=starts)
+    poison_allocator()
+    y, v = _call(_to(c, "cuda"), cu.cuda(), chunk, initial_states=starts.cuda())
+    assert y.dtype == dtype and v.dtype == torch.float32
+    assert rel_err(y, y_ref) <= TOL["y"][dtype], rel_err(y, y_ref)
+    assert rel_err(v, v_ref) <= TOL["states"][dtype], rel_err(v, v_ref)
+
+
+def test_long_sequences_chunk_128_run_at_256():
+    """4K+ tokens at chunk 128 run on chunks of 256 on the GPU (dispatch.run_chunk_size): the corrections follow."""
+    c, cu, starts = _case(torch.bfloat16, 2, total=5000, nseq=9)
+    y_ref, v_ref = _call(c, cu, 128, initial_states=starts)
+    y, v = _call(_to(c, "cuda"), cu.cuda(), 128, initial_states=starts.cuda(),
+                 meta=m2ops.prepare_varlen(cu, 128, device="cuda"))
+    assert rel_err(y, y_ref) <= TOL["y"][torch.bfloat16]
+    assert rel_err(v, v_ref) <= TOL["states"][torch.bfloat16]
+
+
+def test_cache_and_out():
+    c, cu, starts = _case(torch.bfloat16, 3)
+    nseq = cu.shape[0] - 1
+    cache = torch.randn(nseq + 4, *starts.shape[1:])
+    slots = torch.randperm(nseq + 4)[:nseq]
+    has = torch.arange(nseq) % 3 != 0
+    cache_ref = cache.clone()
+    y_ref, v_ref = _call(c, cu, 64, state_cache=cache_ref, state_slots=slots, has_initial_state=has)
+    cache_gpu = cache.cuda()
+    out = torch.full_like(c["x"], float("nan")).cuda()
+    y, v = _call(_to(c, "cuda"), cu.cuda(), 64, state_cache=cache_gpu, state_slots=slots.cuda(),
+                 has_initial_state=has.cuda(), out=out, state_dtype=torch.bfloat16)
+    assert y is out and v.dtype == torch.bfloat16
+    assert rel_err(out, y_ref) <= TOL["y"][torch.bfloat16]
+    assert rel_err(cache_gpu, cache_ref) <= TOL["states"][torch.bfloat16]
+
+
+def test_meta_call_never_synchronises_and_replays_in_a_graph():
+    c, cu, starts = _case(torch.bfloat16, 4)
+    nseq = cu.shape[0] - 1
+    gc, cu_gpu, starts_gpu = _to(c, "cuda"), cu.cuda(), starts.cuda()
+    meta = m2ops.prepare_varlen(cu, 64, device="cuda")
+    cache = torch.zeros(nseq + 1, *starts.shape[1:], device="cuda")
+    slots = torch.arange(1, nseq + 1, device="cuda")
+    has = torch.ones(nseq, dtype=torch.bool, device="cuda")
+    cache[1:] = starts_gpu
+    out = torch.empty_like(gc["x"])
+
+    def step():
+        return _call(gc, cu_gpu, 64, out=out, state_cache=cache, state_slots=slots, has_initial_state=has, meta=meta)
+    y_want, v_want = (t.clone() for t in step())
+    cache[1:] = starts_gpu
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cache[1:] = starts_gpu
+    graph, (y, v) = captured(step, warmup=1)
+    cache[1:] = starts_gpu
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, y_want) and torch.equal(v, v_want)
+    assert torch.equal(cache[1:], v_want)
+
+
+def test_compiled_fullgraph():
+    c, cu, starts = _case(torch.bfloat16, 5)
+    gc, cu_gpu = _to(c, "cuda"), cu.cuda()
+    meta = m2ops.prepare_varlen(cu, 64, device="cuda")
+    want = _call(gc, cu_gpu, 64, initial_states=starts.cuda(), meta=meta)
+    torch._dynamo.reset()
+    f = torch.compile(lambda s: _call(gc, cu_gpu, 64, initial_states=s, meta=meta), fullgraph=True)
+    got = f(starts.cuda())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-3
