@@ -6,24 +6,24 @@ architecture, about 0.12 s of CPU a specialisation) and tileiras (bytecode to a 
 32-bit-indexed twin (Spec.narrow), about 1,700 in all: too many to build for three architectures on every CI run.
 Two sets per kernel:
 
-The covering set (the default while a kernel is as the last full run built it, see below):
-- sm_80, sm_90 and sm_100: for each kernel, specialisations that together have every value of each of its
-  features (dtype, each constant, each hint, each extra dtype), largest tiles and widest dtypes first, to a cubin;
-- sm_90: the 32-bit-indexed twins chosen the same way, to a cubin;
+The quick set (while a kernel is as its last full run built it, see below; it guards against a changed toolchain
+or environment, the full run having built every specialisation of these very sources):
+- sm_80, sm_90 and sm_100: the kernel's largest and smallest specialisation (tiles, dtypes), to a cubin;
+- sm_90: the same two of its 32-bit-indexed twins, to a cubin;
 - every other specialisation through the front end, to bytecode.
-(About 320 cubins and 1,500 front-end runs: 7.7 minutes on 2 cores with an empty cuTile cache.)
 
-The full set:
+The full set (a kernel whose sources or specialisations changed):
 - sm_90, the GPU the kernels are tuned and measured on: every specialisation with 64-bit indexing, to a cubin;
-- sm_80 and sm_100: for each kernel, specialisations that cover every pair of values of its features, to a cubin;
-- the 32-bit-indexed twins as in the covering set (a cubin for those covering each value, bytecode for the rest).
-(About 1,400 cubins: over half an hour on 2 cores.)
+- sm_80 and sm_100: specialisations that cover every pair of values of its features (dtype, each constant, each
+  hint, each extra dtype), largest tiles and widest dtypes first, to a cubin;
+- sm_90: 32-bit-indexed twins that cover every value of its features, to a cubin; the rest to bytecode.
+(Every kernel's full set: about 1,400 cubins, over half an hour on 2 cores.)
 
 Which set runs, kernel by kernel: tests/compiled_kernels.sha256 holds one digest per kernel (_digests: its module,
 the kernel modules that module imports, common.py and index_width.py, the signature builder, and the name and
-run-time parameters of each of its specialisations). A kernel whose digest is recorded gets the covering set; one
+run-time parameters of each of its specialisations). A kernel whose digest is recorded gets the quick set; one
 whose digest differs or is missing gets the full set (for sm_90 every specialisation, for sm_80 and sm_100 every
-pair of values). M2OPS_COMPILE_ALL=1 builds every kernel's full set, M2OPS_COMPILE_ALL=0 only covering sets. A run
+pair of values). M2OPS_COMPILE_ALL=1 builds every kernel's full set, M2OPS_COMPILE_ALL=0 only quick sets. A run
 in which every part passes records the digests of the kernels it built in full: after changing a kernel (or its
 specialisations), run
 
@@ -64,7 +64,7 @@ ARCHS = ("sm_80", "sm_90", "sm_100")
 FULL_ARCH = "sm_90"
 RECORD = Path(__file__).with_name("compiled_kernels.sha256")
 RECORD_COMMAND = "M2OPS_COMPILE_ALL=1 .venv/bin/python -m pytest -q tests/test_kernels_compile.py"
-NARROW = f"{FULL_ARCH}-index32"   # the part that builds the 32-bit twins' covering set
+NARROW = f"{FULL_ARCH}-index32"   # the part that builds 32-bit twins
 FRONT_END = "front-end"           # the part that lowers every specialisation no other part builds
 
 
@@ -245,7 +245,7 @@ def _record(digests: dict, path: Path) -> None:
         built_with = "cuda-tile (version unknown)"
     text = (f"# sha256 of each kernel's sources and specialisations as the last full run of\n"
             f"# tests/test_kernels_compile.py built them ({built_with}); written by that run. CI builds the full\n"
-            f"# set of a kernel whose digest differs, the covering set of the others. After a kernel change:\n"
+            f"# set of a kernel whose digest differs, the quick set of the others. After a kernel change:\n"
             f"# {RECORD_COMMAND}   (M2OPS_COMPILE_KERNELS=name,... limits it to those kernels)\n"
             + "".join(f"{d} {name}\n" for name, d in sorted(digests.items())))
     tmp = path.with_name(path.name + ".tmp")
@@ -275,9 +275,21 @@ class Plan:
     def describe(self) -> str:
         cubins = sum(len(ix) for arch, ix, _ in self.parts.values() if arch is not None)
         kinds = "; ".join(f"{p}: {len(ix)} ({what})" for p, (_, ix, what) in self.parts.items())
-        which = (f"the full set of {len(self.changed)} kernel(s), the covering set of the rest" if self.changed
-                 else "the covering set")
+        which = (f"the full set of {len(self.changed)} kernel(s), the quick set of the rest" if self.changed
+                 else "the quick set")
         return f"{which}, {cubins} cubins ({self.why}). {kinds}"
+
+
+def extremes(indices, specs) -> list[int]:
+    """For each kernel among indices of specs, its largest and its smallest specialisation (_size)."""
+    by_kernel = {}
+    for i in indices:
+        by_kernel.setdefault(specs[i].kernel_name, []).append(i)
+    chosen = set()
+    for members in by_kernel.values():
+        ordered = sorted(members, key=lambda i: (-_size(specs[i]), i))
+        chosen |= {ordered[0], ordered[-1]}
+    return sorted(chosen)
 
 
 def _choose(specs, changed) -> dict:
@@ -287,14 +299,15 @@ def _choose(specs, changed) -> dict:
     parts = {}
     for arch in ARCHS:
         if arch == FULL_ARCH:
-            cover = full
-            what = "every specialisation of a changed kernel"
+            cover, what = full, "every specialisation of a changed kernel"
         else:
-            cover = covering(full, 2, specs)
-            what = "each pair of values of a changed kernel's features"
-        what = f"{what}; each value of the others'" if changed else "each value of each kernel's features"
-        parts[arch] = (arch, sorted(cover + covering(rest, 1, specs)), what)
-    parts[NARROW] = (FULL_ARCH, covering(narrow, 1, specs), "32-bit twins, each value of each kernel's features")
+            cover, what = covering(full, 2, specs), "each pair of values of a changed kernel's features"
+        what = f"{what}; the others' largest and smallest" if changed else "each kernel's largest and smallest"
+        parts[arch] = (arch, sorted(cover + extremes(rest, specs)), what)
+    narrow_full = [i for i in narrow if specs[i].kernel_name in changed]
+    narrow_rest = [i for i in narrow if specs[i].kernel_name not in changed]
+    parts[NARROW] = (FULL_ARCH, sorted(covering(narrow_full, 1, specs) + extremes(narrow_rest, specs)),
+                     "32-bit twins: each value of a changed kernel's features, the others' largest and smallest")
     built = set().union(*(ix for _, ix, _ in parts.values()))
     parts[FRONT_END] = (None, [i for i in range(len(specs)) if i not in built], "the rest, to bytecode")
     return parts
@@ -371,7 +384,7 @@ def plan(request):
     text = f"test_kernels_compile: building {p.describe()}"
     if p.full:
         text += (f". A run in which every part passes records those kernels' digests in tests/{RECORD.name}: commit "
-                 f"that file with the kernel change, and CI builds only their covering sets (to record: "
+                 f"that file with the kernel change, and CI builds only their quick sets (to record: "
                  f"{RECORD_COMMAND})")
     _announce(request, text)
     if p.full and not p.subset and p.why != "M2OPS_COMPILE_ALL=1":
@@ -443,6 +456,21 @@ def test_covering_sets_cover():
                     return {c for i in idx if specs[i].kernel_name == name
                             for c in itertools.combinations(sorted(_features(specs[i])), order)}
                 assert combos(chosen) == combos(indices), name
+
+
+def test_quick_set_is_each_kernels_extremes():
+    """The quick set builds, per kernel and architecture, exactly its largest and its smallest specialisation."""
+    from m2ops.kernels.specs import all_specs
+    specs = all_specs()
+    quick = make_plan(specs, _digests(specs))
+    for arch in ARCHS:
+        chosen = quick.parts[arch][1]
+        for name in {s.kernel_name for s in specs}:
+            members = [i for i in _wide(specs) if specs[i].kernel_name == name]
+            mine = [i for i in chosen if specs[i].kernel_name == name]
+            sizes = [_size(specs[i]) for i in members]
+            assert 1 <= len(mine) <= 2, (arch, name)
+            assert {_size(specs[i]) for i in mine} == {max(sizes), min(sizes)}, (arch, name)
 
 
 def test_plans_build_every_specialisation(tmp_path):
