@@ -37,6 +37,7 @@ import time
 import torch
 
 from .check import rel_err
+from .timing import runs_ms, summary
 
 IMPLS = ("m2ops", "m2ops-plain", "mamba_ssm", "mamba_ssm-memeff")
 MODES = ("forward", "train", "decode")
@@ -161,30 +162,6 @@ def conv_path(impl: str) -> str:
 # timing
 # ---------------------------------------------------------------------------------------------------------
 
-def time_ms(fn, device, runs, warmup) -> list:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return out
-
-
-def _summary(times) -> dict:
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs_ms": times}
-
-
 def peak_mib(device, fn):
     """MiB fn allocates at its peak above what was allocated before it (CUDA), else None."""
     if device.type != "cuda":
@@ -203,7 +180,7 @@ def run_prompt(layer, args, u, g_out, modes) -> dict:
     params = [p for p in layer.parameters() if p.requires_grad]
     if "forward" in modes:
         with torch.no_grad():
-            res["forward"] = _summary(time_ms(lambda: layer(u), dev, args.runs, args.warmup))
+            res["forward"] = summary(runs_ms(lambda: layer(u), dev, args.runs, args.warmup))
             res["forward"]["peak_mib"] = peak_mib(dev, lambda: layer(u))
             res["out"] = layer(u).float()
     if "train" in modes:
@@ -212,7 +189,7 @@ def run_prompt(layer, args, u, g_out, modes) -> dict:
         def step():
             return torch.autograd.grad(layer(ug), [ug, *params], g_out)
 
-        res["train"] = _summary(time_ms(step, dev, args.runs, args.warmup))
+        res["train"] = summary(runs_ms(step, dev, args.runs, args.warmup))
         res["train"]["peak_mib"] = peak_mib(dev, step)
         res["grad_u"] = step()[0].float()
     return res
@@ -243,7 +220,7 @@ def run_decode(layer, args, batch, dtype, device) -> dict:
             with torch.cuda.graph(graph):
                 step()
             reps = 100
-            times = time_ms(lambda: [graph.replay() for _ in range(reps)], device, args.runs, args.warmup)
+            times = runs_ms(lambda: [graph.replay() for _ in range(reps)], device, args.runs, args.warmup)
             res["graph_us"] = 1e3 * statistics.median(times) / reps
             n = 50
             torch.cuda.synchronize(device)
@@ -253,7 +230,7 @@ def run_decode(layer, args, batch, dtype, device) -> dict:
             res["eager_host_us"] = 1e6 * (time.perf_counter() - t0) / n
             torch.cuda.synchronize(device)
         else:
-            res["eager_us"] = 1e3 * statistics.median(time_ms(step, device, args.runs, args.warmup))
+            res["eager_us"] = 1e3 * statistics.median(runs_ms(step, device, args.runs, args.warmup))
     return res
 
 

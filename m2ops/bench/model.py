@@ -29,13 +29,12 @@ import importlib
 import inspect
 import json
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 from .check import rel_err
+from .timing import runs_ms, summary
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
 IMPLS = ("transformers", "m2ops")
@@ -221,33 +220,6 @@ def profiled_names(fn, device):
 # timing
 # ---------------------------------------------------------------------------------------------------------
 
-def time_ms(fn, device, runs, warmup):
-    """Per-run times in ms of fn() (warm-up runs first, not timed): CUDA events on CUDA, with a
-    synchronisation after each run; perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    cuda = device.type == "cuda"
-    for _ in range(runs):
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
-def _summary(times):
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs_ms": times}
-
-
 def _peak_mib(device, fn):
     if device.type != "cuda":
         return None
@@ -273,14 +245,14 @@ def run_impl(model, args, device, prompt, gen_prompt):
 
     with torch.no_grad():
         if "forward" in args.modes:
-            t = _summary(time_ms(forward, device, args.runs, args.warmup))
+            t = summary(runs_ms(forward, device, args.runs, args.warmup))
             t["tokens_per_s"] = args.batch * args.seqlen / (t["median_ms"] / 1e3)
             t["peak_mib"] = _peak_mib(device, forward)
             res["forward"] = t
             res["last_logits"] = forward()[:, -1].float().cpu()
         if "generate" in args.modes:
-            t = _summary(time_ms(lambda: gen(args.new_tokens), device, args.runs, args.warmup))
-            t1 = _summary(time_ms(lambda: gen(1), device, args.runs, args.warmup))
+            t = summary(runs_ms(lambda: gen(args.new_tokens), device, args.runs, args.warmup))
+            t1 = summary(runs_ms(lambda: gen(1), device, args.runs, args.warmup))
             t["generate_1_median_ms"] = t1["median_ms"]
             t["generate_1_runs_ms"] = t1["runs_ms"]
             t["decode_ms_per_token"] = ((t["median_ms"] - t1["median_ms"]) / (args.new_tokens - 1)

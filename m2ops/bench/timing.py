@@ -35,3 +35,31 @@ def _median_ms_host(fn, runs, warmup):
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def runs_ms(fn, device, runs: int, warmup: int) -> list:
+    """Per-run times in ms of fn() after warm-up runs: CUDA events with a synchronisation before and after each
+    run (whole calls, caches as the previous run left them: what a model or layer step costs), perf_counter on the
+    CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(runs):
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def summary(times) -> dict:
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs_ms": times}
