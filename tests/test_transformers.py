@@ -1,5 +1,6 @@
 """m2ops.integrations.transformers: a tiny random Mamba2ForCausalLM gives the same logits and greedy tokens
-before and after patch(), m2ops ops run after it (torch.profiler), packed sequences work, unpatch() restores."""
+before and after patch(), m2ops ops run after it (torch.profiler), packed sequences work, unpatch() restores.
+(tests/test_transformers_families.py does the same for every family.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import m2ops.integrations.transformers as m2tf  # noqa: E402
 
 # Without return_varlen_states the public function runs chunk_cumsum then chunk_scan.
 SCAN_OPS = ("m2ops::chunk_cumsum", "m2ops::chunk_scan")
-NAMES = ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn",
+NAMES = ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",
          "mamba2_split_conv1d_scan_combined")
 
 
@@ -68,7 +69,8 @@ def test_same_greedy_tokens_and_decode_op(model):
         m2tf.patch()
         got, events = m2ops_events(lambda: model.generate(x, **kw))
     assert torch.equal(got, want), (got, want)
-    assert "m2ops::state_update_inplace" in events and set(SCAN_OPS) <= events, events
+    decode = {"m2ops::state_update_inplace", "m2ops::causal_conv1d_update", "m2ops::rms_norm_gated"}
+    assert decode <= events and set(SCAN_OPS) <= events, events
 
 
 def test_training_forward_backward(model):
@@ -114,6 +116,7 @@ def test_packed_sequences(model):
 
 def test_unpatch_restores():
     before = {n: getattr(mm, n) for n in NAMES}
+    norm_forward = mm.MambaRMSNormGated.forward
     m2tf.patch()
     assert m2tf.is_patched()
     assert all(getattr(mm, n) is not before[n] for n in NAMES)
@@ -123,4 +126,6 @@ def test_unpatch_restores():
     assert all(getattr(mm, n) is before[n] for n in NAMES)
     with m2tf.patched():
         assert mm.mamba2_chunk_scan is m2tf.chunk_scan
+        assert mm.MambaRMSNormGated.forward is not norm_forward
     assert mm.mamba2_chunk_scan is before["mamba2_chunk_scan"]
+    assert mm.MambaRMSNormGated.forward is norm_forward

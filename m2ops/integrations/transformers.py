@@ -1,137 +1,116 @@
-"""Run Hugging Face transformers' Mamba-2 models (Mamba2Model, Mamba2ForCausalLM, transformers 5.x) on m2ops.
+"""Run Hugging Face transformers' Mamba-2 model families on m2ops (transformers 5.x): Mamba2, Bamba, FalconH1,
+GraniteMoeHybrid (Granite 4.0), NemotronH, Zamba2 -- every family whose modeling module defines transformers'
+Mamba-2 helpers, found in the installed transformers (families()).
+
+Two ways in (docs/models.md says when to use which):
 
     import m2ops.integrations.transformers as m2tf
-    m2tf.patch()      # every Mamba2Mixer, existing or future, now scans and decodes through m2ops
-    m2tf.unpatch()    # back to what transformers had
+    m2tf.patch()                  # every mixer of every family, built before or after, on m2ops
+    m2tf.unpatch()                # back to what transformers had
+    with m2tf.patched(): ...      # for a block
 
-How: transformers' Mamba2Mixer.forward calls module-level functions of modeling_mamba2 — mamba2_chunk_scan,
-mamba2_selective_state_update, causal_conv1d_fn, causal_conv1d_update, mamba2_split_conv1d_scan_combined —
-each a wrapper that picks a hub kernel, mamba_ssm / causal_conv1d, or a PyTorch fallback when transformers is
-imported. patch() replaces these module attributes (the mixer looks them up at call time), so it works
-whatever transformers picked, on CPU and CUDA, and with or without the `kernels` package:
+    m2tf.kernelize(model)         # one model instance, through the `kernels` package's kernel mapping
+    # = with kernels.use_kernel_mapping(m2tf.kernel_mapping()): kernels.kernelize(model, mode=...)
 
-- mamba2_chunk_scan -> m2ops.mamba_chunk_scan_combined (prefill, and every forward without a cache);
-- mamba2_selective_state_update -> m2ops.selective_state_update (one-token decoding), which updates the cache
-  tensor in place, as transformers expects;
-- causal_conv1d_fn -> m2ops.causal_conv1d_fn, which restarts at seq_idx / cu_seqlens boundaries;
-- mamba2_split_conv1d_scan_combined (the fused training path) -> returns None, which the mixer reads as
-  "no fused kernel" and continues with the unfused path, i.e. the three functions above.
-causal_conv1d_update (the one-token convolution) is left as transformers has it.
-
-Packed sequences: transformers' fallbacks refuse seq_idx / cu_seqlens without mamba_ssm. After patch() they
-work through m2ops when passed to Mamba2Model's forward (it hands extra keyword arguments down to the mixer):
-`model.backbone(input_ids, seq_idx=...)` or `cu_seqlens=...` (batch 1). Mamba2ForCausalLM.forward does not
-pass extra keyword arguments to its backbone (they go to the loss), so packing needs the backbone call.
+What runs where (both ways): prefill and every forward without a cache -> m2ops.mamba_chunk_scan_combined and
+m2ops.causal_conv1d_fn (seq_idx / cu_seqlens passed to the model's forward keep packed sequences apart); one-token
+decoding -> m2ops.selective_state_update and m2ops.causal_conv1d_update, both in place on the cache's tensors; the
+fused training call -> "no fused kernel", so training runs the same differentiable m2ops ops. patch() also routes
+the families' gated norms (*RMSNormGated.forward) to m2ops.rms_norm_gated (the kernel mapping has no name for
+them). How: the mixers look the helpers up by module-level name at call time, so patch() replaces those module
+attributes (and the norm classes' forward); signatures are checked first (transformers_families.py).
 """
 
 from __future__ import annotations
 
-import importlib
+import warnings
 
-import torch.nn.functional as F
+from .transformers_adapters import (FUNCTIONS, chunk_scan, conv1d_fn, conv1d_update, split_conv1d_scan_combined,
+                                    state_update)
+from .transformers_families import Family, discover, select
+from .transformers_kernels import M2opsRepository, kernel_mapping, kernelize, routed
 
-from ..conv1d import causal_conv1d_fn
-from ..meta.validate import seq_idx_from_cu_seqlens
-from ..ops.state_update_inplace import selective_state_update
-from ..scan_combined import mamba_chunk_scan_combined
-
-MODULE = "transformers.models.mamba2.modeling_mamba2"
-_originals: dict[str, object] = {}
-
-
-def chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
-               dt_limit=(0.0, float("inf")), return_final_states=False, z=None, seq_idx=None, cu_seqlens=None,
-               **kwargs):
-    """transformers' mamba2_chunk_scan signature on m2ops; other keyword arguments (the model's **kwargs) are
-    ignored, as transformers' wrapper drops those its implementation does not take."""
-    return mamba_chunk_scan_combined(hidden_states, dt, A, B, C, int(chunk_size), D=D, z=z, dt_bias=dt_bias,
-                                     initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                                     dt_softplus=dt_softplus, dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
-                                     return_final_states=return_final_states)
+_MISSING = object()
+# family name -> [(owner, attribute, what was there before)] for unpatch().
+_saved: dict[str, list[tuple[object, str, object]]] = {}
 
 
-def state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs):
-    """transformers' mamba2_selective_state_update on m2ops: returns y and updates `state` in place.
-
-    No dt_limit here, as in transformers' own decode path (its chunked path applies config.time_step_limit,
-    its decode path does not); with dt_softplus the default clamp at 0 changes nothing."""
-    return selective_state_update(state, hidden_states, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+def families() -> tuple[Family, ...]:
+    """The installed transformers' families with Mamba-2 mixers, each with .problems (empty when patch() can
+    route it), .norm_classes (the gated norms patch() routes) and .norm_problems."""
+    return discover()
 
 
-def conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, cu_seqlens=None, **kwargs):
-    """transformers' causal_conv1d_fn (hidden_states (batch, channels, seqlen)) on m2ops.causal_conv1d_fn, which
-    does not let a tap cross a packed-sequence boundary. With a cache transformers prepends the cached inputs;
-    those count as sequence 0 (the rule m2ops uses for initial states)."""
-    L = hidden_states.shape[-1]
-    if seq_idx is None and cu_seqlens is not None:
-        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, L)
-    if seq_idx is not None and seq_idx.shape[-1] < L:
-        seq_idx = F.pad(seq_idx, (L - seq_idx.shape[-1], 0))
-    if activation in (None, "silu", "swish"):
-        return causal_conv1d_fn(hidden_states, weight, bias, seq_idx, activation=activation)
-    from transformers.activations import ACT2FN
-    return ACT2FN[activation](causal_conv1d_fn(hidden_states, weight, bias, seq_idx))
+def patch(families=None) -> list[str]:
+    """Route the Mamba-2 mixers of the named families (default: all found) through m2ops; returns the names.
+
+    Idempotent; affects models built before and after. Raises RuntimeError naming each selected family whose
+    functions no longer match what m2ops replaces, before patching anything (pass families=[...] to patch the
+    others); ValueError for an unknown family name."""
+    selected = select(families)
+    if not selected:
+        import transformers
+        raise RuntimeError(f"m2ops.integrations.transformers.patch: transformers {transformers.__version__} has no "
+                           "model family with Mamba-2 helpers (mamba2_chunk_scan ...)")
+    bad = [f for f in selected if f.problems]
+    if bad:
+        good = [f.name for f in selected if not f.problems]
+        raise RuntimeError("m2ops.integrations.transformers.patch: " + " / ".join(f.error() for f in bad)
+                           + (f". patch(families={good!r}) patches the others" if good else ""))
+    for family in selected:
+        if family.name not in _saved:
+            _saved[family.name] = _patch_family(family)
+    return [f.name for f in selected]
 
 
-def split_conv1d_scan_combined(*args, **kwargs):
-    """No fused split-conv-scan: None sends the mixer down its unfused path (which patch() also routes to
-    m2ops), the same contract transformers' own fallback has."""
-    return None
+def _patch_family(family: Family) -> list[tuple[object, str, object]]:
+    for problem in family.norm_problems:
+        warnings.warn(f"m2ops.integrations.transformers.patch: the {family.name} family's gated norm stays on "
+                      f"transformers' own forward: {problem}", stacklevel=3)
+    saved = []
+    for name, adapter in FUNCTIONS.items():
+        saved.append((family.module, name, getattr(family.module, name)))
+        setattr(family.module, name, adapter)
+    for cls_name, forward in family.norm_classes.items():
+        cls = getattr(family.module, cls_name)
+        saved.append((cls, "forward", cls.__dict__.get("forward", _MISSING)))
+        cls.forward = forward
+    return saved
 
 
-_REPLACEMENTS = {
-    "mamba2_chunk_scan": chunk_scan,
-    "mamba2_selective_state_update": state_update,
-    "causal_conv1d_fn": conv1d_fn,
-    "mamba2_split_conv1d_scan_combined": split_conv1d_scan_combined,
-}
+def unpatch(families=None) -> None:
+    """Put back what patch() replaced in the named families (default: all patched). Nothing when not patched."""
+    names = list(_saved) if families is None else [f.name for f in select(families)]
+    for name in names:
+        for owner, attr, original in reversed(_saved.pop(name, [])):
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
 
 
-def _module():
-    return importlib.import_module(MODULE)
-
-
-def patch():
-    """Route transformers' Mamba2 mixers through m2ops. Idempotent; affects models built before and after."""
-    mod = _module()
-    missing = [name for name in _REPLACEMENTS if not hasattr(mod, name)]
-    if missing:
-        raise RuntimeError(f"m2ops.integrations.transformers.patch: {MODULE} has no {', '.join(missing)}; this "
-                           "transformers version is not supported (transformers 5.x is)")
-    if _originals:
-        return
-    for name, fn in _REPLACEMENTS.items():
-        _originals[name] = getattr(mod, name)
-        setattr(mod, name, fn)
-
-
-def unpatch():
-    """Put back the functions patch() replaced. Does nothing when not patched."""
-    if not _originals:
-        return
-    mod = _module()
-    for name, fn in _originals.items():
-        setattr(mod, name, fn)
-    _originals.clear()
-
-
-def is_patched() -> bool:
-    return bool(_originals)
+def is_patched(family: str | None = None) -> bool:
+    """Whether patch() is in force (for `family`, or for any)."""
+    return family in _saved if family is not None else bool(_saved)
 
 
 class patched:
-    """Context manager: patch() on entry, unpatch() on exit (unless it was already patched before)."""
+    """Context manager: patch(families) on entry; on exit, unpatch() of the families it patched itself."""
+
+    def __init__(self, families=None):
+        self._families = families
 
     def __enter__(self):
-        self._was = is_patched()
-        patch()
+        before = set(_saved)
+        self._ours = [n for n in patch(self._families) if n not in before]
         return self
 
     def __exit__(self, *exc):
-        if not self._was:
-            unpatch()
+        if self._ours:
+            unpatch(self._ours)
         return False
 
 
-__all__ = ["patch", "unpatch", "is_patched", "patched", "chunk_scan", "state_update", "conv1d_fn",
+__all__ = ["patch", "unpatch", "is_patched", "patched", "families", "Family", "kernel_mapping", "kernelize",
+           "routed", "M2opsRepository", "chunk_scan", "state_update", "conv1d_fn", "conv1d_update",
            "split_conv1d_scan_combined"]
