@@ -1,6 +1,7 @@
 """mamba_chunk_scan_combined_varlen: the packed 3-D scan serving engines call for a batch of prefill sequences,
 with one start state per sequence, a preallocated output, final states scattered into a state cache by slot,
-and chunk metadata prepared once per batch on the host (prepare_varlen) so that the call reads no tensor values.
+the states at block boundaries for prefix caching (block_states.py), and chunk metadata prepared once per batch
+on the host (prepare_varlen) so that the call reads no tensor values.
 
 It is a thin layer over the route of mamba_chunk_scan_combined: the inputs gain a batch dimension of 1, and the
 same ops run (chunk_cumsum, fwd_pass_state, compute_out; with start states, sequence_states.scan).
@@ -12,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import ops, sequence_states
+from . import block_states, ops, sequence_states
 from .meta.validate import check_inputs, seq_idx_from_cu_seqlens, should_check_values
 from .meta.varlen_validate import (WHERE, check_cu_seqlens_values, check_state_slots, check_varlen_inputs)
 from .ops import dispatch
@@ -27,13 +28,23 @@ class VarlenMeta(NamedTuple):
     total_tokens: int
     chunk_size: int           # the caller's chunk size
     index: Optional[sequence_states.SequenceIndex]  # for the chunk size calls run at on the device
+    blocks: Optional[block_states.BlockIndex] = None  # with block_size: the prefix-caching boundaries
 
 
-def prepare_varlen(cu_seqlens, chunk_size: int, device=None) -> VarlenMeta:
+def prepare_varlen(cu_seqlens, chunk_size: int, device=None, *, block_size=None, context_lens=None) -> VarlenMeta:
     """Check cu_seqlens (a CPU tensor or a list of ints, read here) and derive what the calls of this batch need,
-    on device (default: cu_seqlens' device). Call once per batch, outside CUDA-graph capture."""
+    on device (default: cu_seqlens' device). Call once per batch, outside CUDA-graph capture.
+
+    block_size (prefix caching): also place the boundaries at which return_block_states=True returns states: every
+    multiple of block_size tokens of each sequence's prompt, counting context_lens[k] tokens (default 0) before
+    piece k (a continued prompt's earlier pieces). The result's .blocks.sequence and .blocks.position say, for each
+    returned state, which sequence and how many prompt tokens it follows."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"m2ops.prepare_varlen: chunk_size must be a positive int; got {chunk_size!r}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"m2ops.prepare_varlen: block_size must be None or a positive int; got {block_size!r}")
+    if context_lens is not None and block_size is None:
+        raise ValueError("m2ops.prepare_varlen: context_lens needs block_size (it places the block boundaries)")
     if not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int32)
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -49,13 +60,32 @@ def prepare_varlen(cu_seqlens, chunk_size: int, device=None) -> VarlenMeta:
     run_chunk = dispatch.kernel_chunk_size(chunk_size, T, device)
     index = sequence_states.sequence_index(cu, seq_idx, T, run_chunk)
     index = sequence_states.SequenceIndex(run_chunk, *(t.to(device) for t in index[1:]))
-    return VarlenMeta(cu.to(device), seq_idx.to(device), cu.shape[0] - 1, T, chunk_size, index)
+    blocks = None
+    if block_size is not None:
+        blocks = block_states.block_index(cu.long(), _context_lens(context_lens, cu.shape[0] - 1), block_size, device)
+    return VarlenMeta(cu.to(device), seq_idx.to(device), cu.shape[0] - 1, T, chunk_size, index, blocks)
+
+
+def _context_lens(context_lens, nseq: int) -> torch.Tensor:
+    """context_lens (None, a list or a tensor of nseq non-negative ints) -> a CPU int64 tensor (read here)."""
+    if context_lens is None:
+        return torch.zeros(nseq, dtype=torch.int64)
+    c = torch.as_tensor(context_lens)
+    if c.is_floating_point() or c.is_complex() or c.dtype == torch.bool:
+        raise TypeError(f"m2ops.prepare_varlen: context_lens must hold integers; got {c.dtype}")
+    if tuple(c.shape) != (nseq,):
+        raise ValueError(f"m2ops.prepare_varlen: context_lens must be of shape (num_sequences,) = ({nseq},); got "
+                         f"{tuple(c.shape)}")
+    c = c.cpu().long()
+    if nseq and int(c.min()) < 0:
+        raise ValueError(f"m2ops.prepare_varlen: context_lens must be >= 0; got {c.tolist()}")
+    return c
 
 
 def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, *, initial_states=None, D=None, z=None,
                                      dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), out=None,
                                      state_dtype=None, state_cache=None, state_slots=None, has_initial_state=None,
-                                     meta=None):
+                                     meta=None, return_block_states=False):
     """The Mamba-2 scan over packed sequences (a serving engine's prefill batch), one state per sequence.
 
     Args:
@@ -78,14 +108,21 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, *, 
             call reads no tensor values (cu_seqlens was checked there; state_slots on a GPU are not checked): no
             host synchronisation, so a CUDA graph can capture it. Without it, in eager mode, cu_seqlens (and
             state_slots) are read and checked on every call (M2OPS_CHECK_VALUES=0 skips that).
+        return_block_states: also return the states at the block boundaries meta was prepared with
+            (prepare_varlen(..., block_size=..., context_lens=...)), for prefix caching.
 
     Returns:
         (y, varlen_states): y (total_tokens, nheads, headdim) in x's dtype (out when given), and each sequence's
-        final state (num_sequences, nheads, headdim, dstate) in state_dtype. Differentiable in every float input
-        including initial_states. A bad argument raises TypeError/ValueError naming it before anything is written.
+        final state (num_sequences, nheads, headdim, dstate) in state_dtype; with return_block_states also
+        block_states (num_blocks, nheads, headdim, dstate) in state_dtype, state i after meta.blocks.position[i]
+        tokens of sequence meta.blocks.sequence[i]. Differentiable in every float input including
+        initial_states. A bad argument raises TypeError/ValueError naming it before anything is written.
     """
     if meta is not None and not isinstance(meta, VarlenMeta):
         raise TypeError(f"{WHERE}: meta must be a VarlenMeta (m2ops.prepare_varlen); got {type(meta).__name__}")
+    if return_block_states and (meta is None or meta.blocks is None):
+        raise ValueError(f"{WHERE}: return_block_states needs meta from m2ops.prepare_varlen(cu_seqlens, chunk_size, "
+                         "device, block_size=...) (the boundaries are placed on the host, once per batch)")
     nseq = check_varlen_inputs(x, dt, B, C, z, cu_seqlens, initial_states, out, state_dtype, state_cache,
                                state_slots, has_initial_state, meta)
     if cu_seqlens is None:
@@ -129,7 +166,10 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, *, 
         varlen = varlen.to(state_dtype)
     if state_cache is not None:
         state_cache.index_copy_(0, state_slots.long(), varlen.to(state_cache.dtype))
-    return y, varlen
+    if not return_block_states:
+        return y, varlen
+    blocks = block_states.block_states(x, dt, A, B, dt_bias, dt_softplus, dt_min, dt_max, starts, nseq, meta.blocks)
+    return y, varlen, blocks.to(state_dtype or varlen.dtype)
 
 
 __all__ = ["VarlenMeta", "prepare_varlen", "mamba_chunk_scan_combined_varlen"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, each step under its own time limit, results under ${OUT:-gpu-results}/.
 # Usage (on the GPU machine, after `source .device/env.sh`):  bash measure/run_all.sh [step ...]
-# Steps: kernels memcheck check backward state_update models model_bench profile (default: all, in order),
+# Steps: kernels memcheck check backward state_update layer_ops models model_bench profile (default: all, in order),
 # and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
 # variants (measure/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table),
 # backward_profile (measure/backward_scan.py: the backward's time by kernel), host (measure/plan_cost.py --ladder:
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 parallel=0
 [ "${1:-}" = "--parallel" ] && { parallel=1; shift; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernels memcheck check backward state_update models model_bench profile)
+[ ${#steps[@]} -eq 0 ] && steps=(kernels memcheck check backward state_update layer_ops models model_bench profile)
 TEST_TUNING="M2OPS_TUNING_CACHE=${TMPDIR:-/tmp}/m2ops-gpu-tests-tuning.json"
 
 run() {  # name, seconds, command...
@@ -42,6 +42,7 @@ step() {
     check) run check 240 env "$TEST_TUNING" python tests/gpu/check_kernels.py ;;
     backward) run backward 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
     state_update) run state_update 120 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_state_update_kernel.py ;;
+    layer_ops) run layer_ops 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_conv1d_kernel.py tests/gpu/test_gated_norm_kernel.py tests/gpu/test_layer_mem_eff_gpu.py tests/gpu/test_varlen_serving_gpu.py ;;
     models) run models 420 env "$TEST_TUNING" python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
     model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
     profile) run profile 300 python measure/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
