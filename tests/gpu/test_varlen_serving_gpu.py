@@ -134,3 +134,22 @@ def test_compiled_fullgraph():
     got = f(starts.cuda())
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 1e-3
+
+
+@pytest.mark.parametrize("block", [64, 100])
+def test_block_states_against_cpu(block):
+    """Prefix caching on the GPU (its PyTorch windows and prefix scan beside the kernels' scan) against the same
+    call on the CPU, with per-sequence context before each piece, under a CUDA graph."""
+    c, cu, starts = _case(torch.bfloat16, seed=3)
+    context = list(range(0, 12 * 37, 37))
+    meta_cpu = m2ops.prepare_varlen(cu, 64, block_size=block, context_lens=context)
+    want = _call(c, cu, 64, initial_states=starts, meta=meta_cpu, return_block_states=True)
+    meta = m2ops.prepare_varlen(cu, 64, "cuda", block_size=block, context_lens=context)
+    g, cu_g, starts_g = _to(c, "cuda"), cu.cuda(), starts.cuda()
+    got = _call(g, cu_g, 64, initial_states=starts_g, meta=meta, return_block_states=True)
+    assert got[2].shape == want[2].shape and got[2].shape[0] > 10
+    assert rel_err(got[2], want[2]) <= TOL["states"][torch.bfloat16], rel_err(got[2], want[2])
+    graph, out = captured(lambda: _call(g, cu_g, 64, initial_states=starts_g, meta=meta, return_block_states=True))
+    out[2].zero_()
+    graph.replay()
+    assert torch.equal(out[2], got[2])
