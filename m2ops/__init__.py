@@ -24,4 +24,8 @@ def __getattr__(name):
     if name == "pretune":
         from .tuning import pretune
         return pretune
+    # m2ops.distributed (context parallelism), imported on first use: it imports torch.distributed.
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
     raise AttributeError(f"module 'm2ops' has no attribute {name!r}")

@@ -17,7 +17,12 @@ What differs from mamba_ssm, on purpose:
   prompt (per packed sequence with cu_seqlens), and `step` updates them in place, as mamba_ssm's step does.
 - `step` applies dt_limit like `forward` does (mamba_ssm's step ignores it), so prefill + decode equals one
   forward over the whole sequence.
-- No tensor/sequence parallelism (process_group must be None).
+- cp_group (context parallelism): each rank of the group passes its contiguous slice of the sequence
+  (m2ops/distributed/context_layer.py, docs/distributed.md).
+- process_group (tensor parallelism, m2ops/distributed/tensor_parallel.py, docs/distributed.md): each rank holds
+  mamba_ssm's shard of the heads and groups, but out_proj's bias is on every rank (mamba_ssm: rank 0 only), added
+  once after the reduction; with sequence_parallel, 3-D u is split along the sequence (mamba_ssm gathers along
+  dim 0, the batch). load_full_state_dict loads a rank's shard from the one-GPU state dict.
 
 use_mem_eff_path (default True), as in mamba_ssm: a forward that autograd records (gradients enabled, something
 requiring them) and returns no final states runs everything after in_proj as one op, m2ops.mixer_fn, whose autograd
@@ -67,6 +72,12 @@ def _check_tensor(where, name, t, ndim, desc):
         _fail(where, ValueError, name, f"{ndim}-dimensional {desc}", tuple(t.shape))
 
 
+def _tensor_parallel():
+    """m2ops.distributed.tensor_parallel, imported on first use (it imports torch.distributed)."""
+    from .distributed import tensor_parallel
+    return tensor_parallel
+
+
 class RMSNormGated(nn.Module):
     """RMSNorm with a silu(z) gate, per group of `group_size` channels (mamba_ssm's layernorm_gated.RMSNorm
     semantics: gate before the norm unless norm_before_gate), through m2ops.rms_norm_gated (cuTile kernels on the
@@ -94,10 +105,8 @@ class Mamba2(nn.Module):
                  ngroups=1, A_init_range=(1, 16), D_has_hdim=False, rmsnorm=True, norm_before_gate=False,
                  dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), bias=False,
                  conv_bias=True, chunk_size=256, use_mem_eff_path=True, layer_idx=None, process_group=None,
-                 sequence_parallel=True, device=None, dtype=None):
+                 sequence_parallel=True, cp_group=None, device=None, dtype=None):
         super().__init__()
-        if process_group is not None:
-            raise ValueError("m2ops.Mamba2: process_group must be None (tensor parallelism is not supported)")
         factory = {"device": device, "dtype": dtype}
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
         self.conv_init = conv_init
@@ -110,16 +119,22 @@ class Mamba2(nn.Module):
         if ngroups < 1 or self.nheads % ngroups != 0:
             raise ValueError(f"m2ops.Mamba2: ngroups={ngroups} must divide nheads={self.nheads}")
         self.ngroups = ngroups
+        # With process_group, the sizes above become this rank's shard's (m2ops/distributed/tensor_parallel.py).
+        self.tp_group, self.tp_rank, self.tp_world, self.sequence_parallel = None, 0, 1, sequence_parallel
+        if process_group is not None:
+            _tensor_parallel().setup(self, process_group, cp_group)
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = "silu"
         self.chunk_size = chunk_size
         self.use_mem_eff_path = use_mem_eff_path  # training through m2ops.mixer_fn (see forward)
         self.layer_idx = layer_idx
+        # The ranks sharing one sequence (None: the layer sees whole sequences); read at each forward.
+        self.cp_group = cp_group
 
-        d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
+        d_in_proj = 2 * self.d_inner + 2 * self.ngroups * d_state + self.nheads
         self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **factory)
-        self.conv_dim = self.d_ssm + 2 * ngroups * d_state
+        self.conv_dim = self.d_ssm + 2 * self.ngroups * d_state
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=d_conv, groups=self.conv_dim,
                                 padding=d_conv - 1, bias=conv_bias, **factory)
         if conv_init is not None:
@@ -140,7 +155,7 @@ class Mamba2(nn.Module):
             p._no_weight_decay = True
         if rmsnorm:
             self.norm = RMSNormGated(self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate,
-                                     group_size=self.d_ssm // ngroups, **factory)
+                                     group_size=self.d_ssm // self.ngroups, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
 
     # -----------------------------------------------------------------------------------------------------
@@ -159,12 +174,18 @@ class Mamba2(nn.Module):
         return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D
 
     def _finish(self, y, z, z0, x0):
-        """Gated norm (the gate z goes into the norm, not the scan, with rmsnorm), MLP part, out_proj."""
+        """Gated norm (the gate z goes into the norm, not the scan, with rmsnorm), MLP part, out_proj (with
+        tensor parallelism, this rank's partial sum: the bias comes after the reduction, tensor_parallel.leave)."""
         if self.rmsnorm:
             y = self.norm(y, z)
         if z0.shape[-1] > 0:
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)
-        return self.out_proj(y)
+        return self.out_proj(y) if self.tp_group is None else F.linear(y, self.out_proj.weight)
+
+    def _output(self, out, seqlen):
+        """out_proj's output as forward returns it: flattened with seqlen; reduced over process_group."""
+        out = out.flatten(0, 1) if seqlen is not None else out
+        return out if self.tp_group is None else _tensor_parallel().leave(self, out, seqlen)
 
     def _mem_eff(self, zxbcdt, cache, return_final_states):
         """Whether forward takes the memory-efficient path: use_mem_eff_path, a backward to come (gradients
@@ -180,7 +201,8 @@ class Mamba2(nn.Module):
         norm = self.norm if self.rmsnorm else None
         return mixer_fn(
             zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self._A(), self._D(),
-            None if norm is None else norm.weight, self.out_proj.weight, self.out_proj.bias,
+            None if norm is None else norm.weight, self.out_proj.weight,
+            self.out_proj.bias if self.tp_group is None else None,  # (with process_group: after the reduction)
             chunk_size=self.chunk_size, headdim=self.headdim, ngroups=self.ngroups, dt_limit=self.dt_limit,
             seq_idx=seq_idx, cu_seqlens=cu_seqlens,
             conv_initial_states=None if conv_cache is None else conv_cache[:, :, 1:], ssm_initial_states=ssm_cache,
@@ -198,11 +220,25 @@ class Mamba2(nn.Module):
         from (a previous prompt's caches). return_final_states: also return (conv_state, ssm_state) after the
         last token, per packed sequence with cu_seqlens: (num_sequences, conv_dim, d_conv) and
         (num_sequences, nheads, headdim, d_state).
+
+        With cp_group, u is this rank's contiguous slice of the sequence (rank order, at least d_conv tokens),
+        seq_idx this rank's slice of the whole sequence's ids, cache the state before the whole sequence and the
+        returned caches those after its last token, the same on every rank; cu_seqlens is not taken
+        (docs/distributed.md).
         """
+        if self.cp_group is not None:
+            from .distributed.context_layer import forward as forward_across_ranks
+            return forward_across_ranks(self, u, seqlen, seq_idx, cu_seqlens, cache, return_final_states)
+        return self._forward_whole(u, seqlen, seq_idx, cu_seqlens, cache, return_final_states)
+
+    def _forward_whole(self, u, seqlen, seq_idx, cu_seqlens, cache, return_final_states):
+        """forward on whole sequences (no cp_group, or a group of one rank)."""
         _check_tensor("forward", "u", u, 3 if seqlen is None else 2,
                       "(batch, seqlen, d_model)" if seqlen is None else "(batch * seqlen, d_model)")
         if u.shape[-1] != self.d_model:
             _fail("forward", ValueError, "u", f"of last dimension d_model={self.d_model}", tuple(u.shape))
+        if self.tp_group is not None:  # replicated, or with sequence_parallel gathered from every rank's share
+            u = _tensor_parallel().enter(self, u, seqlen)
         if seqlen is not None:
             u = u.reshape(-1, seqlen, self.d_model)
         batch, L, _ = u.shape
@@ -223,8 +259,7 @@ class Mamba2(nn.Module):
 
         zxbcdt = self.in_proj(u)
         if self._mem_eff(zxbcdt, cache, return_final_states):
-            out = self._mixer_mem_eff(zxbcdt, seq_idx, cu_seqlens, conv_cache, ssm_cache)
-            return out.flatten(0, 1) if seqlen is not None else out
+            return self._output(self._mixer_mem_eff(zxbcdt, seq_idx, cu_seqlens, conv_cache, ssm_cache), seqlen)
         z0, x0, z, xBC, dt = self._split(zxbcdt)
         want_varlen = return_final_states and cu_seqlens is not None
         # The convolution (+ SiLU) restarts where seq_idx / cu_seqlens start a sequence; its final states (the
@@ -247,9 +282,7 @@ class Mamba2(nn.Module):
             dt_softplus=True, dt_limit=self.dt_limit, return_final_states=return_final_states and not want_varlen,
             return_varlen_states=want_varlen)
         y = res[0] if return_final_states else res
-        out = self._finish(y.flatten(-2), z, z0, x0)
-        if seqlen is not None:
-            out = out.flatten(0, 1)
+        out = self._output(self._finish(y.flatten(-2), z, z0, x0), seqlen)
         if not return_final_states:
             return out
         return out, conv_state.to(self.conv1d.weight.dtype), res[1]
@@ -277,6 +310,8 @@ class Mamba2(nn.Module):
             None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), self.dt_bias, None, True,
             self.dt_limit[0], self.dt_limit[1], y)
         out = self._finish(y.flatten(-2), z, z0, x0)
+        if self.tp_group is not None:  # no sequence split at decode: a sum over the group
+            out = _tensor_parallel().leave(self, out, None, decode=True)
         return out.unsqueeze(1), conv_state, ssm_state
 
     def allocate_inference_cache(self, batch_size, max_seqlen=None, dtype=None, **kwargs):
@@ -290,6 +325,14 @@ class Mamba2(nn.Module):
         ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device,
                                 dtype=compute_dtype(conv_dtype))
         return conv_state, ssm_state
+
+    def load_full_state_dict(self, state_dict):
+        """Load an unsharded state dict (the one-rank layer's or mamba_ssm's) into this rank's shard; strict."""
+        return self.load_state_dict(_tensor_parallel().shard_state_dict(self, state_dict))
+
+    def full_state_dict(self):
+        """The unsharded state dict, gathered from the shards (with process_group every rank must call it)."""
+        return _tensor_parallel().full_state_dict(self)
 
 
 __all__ = ["Mamba2", "RMSNormGated"]

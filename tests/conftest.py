@@ -266,3 +266,11 @@ def seq_major_copy(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 3:
         return strided_copy(t)
     return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.fixture(scope="session")
+def cp_results():
+    """The 4 spawned CPU ranks (gloo) of test_distributed_scan.py, which also run test_distributed_layer.py's
+    cases: one spawn for both files. Their results by rank."""
+    from test_distributed_scan import WORLD, _worker, spawn_world
+    return spawn_world(_worker, WORLD)
