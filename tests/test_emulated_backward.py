@@ -169,3 +169,23 @@ def test_separate_carry_grad_rule(monkeypatch):
     for forced in (True, False):
         knobs(monkeypatch, separate_carry_grad=forced)
         assert backward.separate_carry_grad(top) is forced and backward.separate_carry_grad(2 * top) is forced
+
+
+@pytest.mark.parametrize("D", ["h", "hp"])
+def test_gated_d_gradient_from_float32(D):
+    """With z, the kernels' G (the gated output gradient) is rounded to bfloat16 for their products; D's gradient,
+    one sum over every token per head (or channel), is formed from the float32 G instead, so that it is as
+    accurate as a float32 sum of the same rounded inputs (the rounded G gave about 1e-3)."""
+    from m2ops.kernels import backward
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(seqlen=512, nheads=4, ngroups=1, headdim=32, dstate=16, chunk_size=64, dtype=torch.bfloat16,
+                     D=D, z=True, device="cpu", seed=11)
+    y_ref, _, _, mid = reference_forward(case)
+    g_y = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3)).to(y_ref.dtype)
+    args = (g_y, case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"],
+            case["z"], None)
+    want = ref_bwd.compute_out_bwd(*args)[6]
+    with emulated_kernels():
+        got = backward.compute_out_bwd(*args)[6]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) <= 1e-5, f"g_D: {rel_err(got, want):.3e}"
