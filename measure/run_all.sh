@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, after `source .device/env.sh`):  bash measure/run_all.sh [step ...]
 # Steps: kernels memcheck check backward state_update layer_ops models model_bench profile (default: all, in order),
 # and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
-# variants (measure/variants_scan.py), backward_memcheck, profile_table (docs/profiling.md's table),
+# variants (measure/variants_scan.py), family_bench (every transformers family, m2ops.bench.model --family all),
+# backward_memcheck, profile_table (docs/profiling.md's table),
 # backward_profile (measure/backward_scan.py: the backward's time by kernel), host (measure/plan_cost.py --ladder:
 # an eager forward's host time, step by step), op_times (measure/op_times.py), and the sweeps of
 # docs/validation.md's next GPU run: decode (measure/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep
@@ -45,6 +46,7 @@ step() {
     layer_ops) run layer_ops 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_conv1d_kernel.py tests/gpu/test_gated_norm_kernel.py tests/gpu/test_layer_mem_eff_gpu.py tests/gpu/test_varlen_serving_gpu.py ;;
     models) run models 420 env "$TEST_TUNING" python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
     model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
+    family_bench) run family_bench 580 python -m m2ops.bench.model --family all --out "$OUT/family.json" ;;
     profile) run profile 300 python measure/profile_scan.py --shapes 1K:128,4K:128,16K:128,64K:256 --json "$OUT/profile.json" ;;
     check64) run check64 240 env "$TEST_TUNING" M2OPS_INDEX32=0 python tests/gpu/check_kernels.py ;;
     memcheck64) run memcheck64 200 env "$TEST_TUNING" M2OPS_INDEX32=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;

@@ -20,6 +20,9 @@ Timing: CUDA events around each call (torch.cuda.synchronize after), warm-up run
 (every run is in the JSON); on the CPU perf_counter. Prints a markdown table; --out writes JSON.
 
 --smoke: a tiny model and a few runs, on the CPU where there is no GPU (what the CPU test suite runs).
+
+--family NAME|all: instead, every transformers family with Mamba-2 mixers at a published checkpoint's sizes
+(model_family.py; its options: python -m m2ops.bench.model --family all --help).
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, few runs (sizes below are then ignored); CPU when there is no GPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--family", default=None,
+                   help="per-family benchmark instead (its own options: --family all --help)")
     args = p.parse_args(argv)
     if args.smoke:
         for k, v in SMOKE.items():
@@ -168,9 +173,10 @@ def _describe(fn, mod):
     return f"unknown ({where})"
 
 
-def transformers_path():
-    """What transformers' Mamba2Mixer calls now (before patch(): transformers' own choice)."""
-    mod = importlib.import_module(MODULE)
+def transformers_path(module=MODULE):
+    """What the mixer of transformers' module (default: Mamba2's) calls now (before patch(): transformers' own
+    choice)."""
+    mod = importlib.import_module(module)
     funcs = {name: _describe(getattr(mod, name, None), mod) for name in FUNCTIONS}
     info = {"functions": funcs}
     try:
@@ -318,7 +324,15 @@ def markdown(result):
     return "\n".join([title, "", *lines, "", *(f"- {n}" for n in notes)]) + "\n"
 
 
+def _wants_family(argv):
+    return any(a == "--family" or a.startswith("--family=") for a in argv)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _wants_family(argv):  # its own options and defaults (prompt lengths, batches, runs): its own parser
+        from .model_family import main as family_main
+        return family_main(argv)
     args = parse_args(argv)
     import transformers
 
