@@ -1,6 +1,6 @@
 """The host's cost of one public forward call with the kernel launches stubbed out, on the CPU, as a script:
 
-    python measure/host_stubbed.py [--seqlen 64] [--dstate 64] [--profile]
+    python measure/host_stubbed.py [--seqlen 64] [--dstate 64] [--backward] [--profile]
 
 The public function takes its CUDA path (m2ops/ops/eager.py) on CPU tensors of the benchmark's other sizes
 (B=1, H=80, P=64, G=1, bf16 x/B/C, float32 dt, D and initial states, chunk 256), with every launch replaced by a
@@ -26,6 +26,9 @@ def main():
     ap.add_argument("--seqlen", type=int, default=64)
     ap.add_argument("--dstate", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="cProfile's table of 200 public calls")
+    ap.add_argument("--backward", action="store_true",
+                    help="also the public call with gradients: forward + backward of every input (--profile: "
+                         "its table)")
     args = ap.parse_args()
     runtime.launch = lambda grid, kernel, kargs, *_: None
     runtime.sm_count = lambda device: 132  # an H200's
@@ -48,10 +51,20 @@ def main():
         "  compute_out": lambda: forward.compute_out(x, dt_out, cs, C, B, states, D, None, None),
         "  chunk_scan_configs": lambda: scan.chunk_scan_configs(b, T, h, p, N, L, x.device),
     }
+    if args.backward:
+        leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C, D, init)]
+        g_y = torch.randn_like(x)
+
+        def train():
+            xl, dtl, Al, Bl, Cl, Dl, il = leaves
+            y, fin = m2ops.mamba_chunk_scan_combined(xl, dtl, Al, Bl, Cl, L, D=Dl, initial_states=il,
+                                                     return_final_states=True)
+            torch.autograd.backward((y, fin), (g_y, torch.ones_like(fin)))
+        rows = {"public call, forward + backward": train, **rows}
     for name, fn in rows.items():
-        print(f"{name:24s} {harness.wall_us(fn, 500 if name == 'public call' else 2000):8.1f} us")
+        print(f"{name:32s} {harness.wall_us(fn, 200 if name.startswith('public call') else 2000):8.1f} us")
     if args.profile:
-        print(harness.cprofile(rows["public call"], 200, 25))
+        print(harness.cprofile(rows["public call, forward + backward" if args.backward else "public call"], 200, 30))
 
 
 if __name__ == "__main__":
