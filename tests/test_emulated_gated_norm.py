@@ -75,13 +75,15 @@ def _check(lead, ngroups, group_size, dtype, name, layout, seed, sm_count):
 
 
 # (leading dims, ngroups, group_size, layout): partial row blocks at every tile class, groups of a power of two
-# and not, several groups, the 8192 tile (clusters of two CTAs on sm_90) with one row per program.
+# and not, several groups; groups over 4096 go to the column-tiled kernel (gated_norm_wide: a partial last column
+# tile at 5000, two groups of 5120 over 6 rows, the last row block partial).
 SHAPES = [
     ((3, 50), 2, 64, "slice"),         # GS 64, BR 64: 150 rows, 3 row blocks, the last partial
     ((2, 37), 3, 100, "slice"),        # GS 128 padded, BR 32
     ((5, 7), 1, 1000, "transposed"),   # GS 1024, BR 4
     ((9,), 2, 4096, "contig"),         # GS 4096, BR 1
-    ((2, 3), 1, 5000, "slice"),        # GS 8192, BR 1
+    ((2, 3), 1, 5000, "slice"),        # wide: 5 column tiles of 1024, the last partial
+    ((6,), 2, 5120, "slice"),          # wide: 2 groups, BR 4 over 6 rows
 ]
 
 
@@ -118,12 +120,14 @@ def test_launches_are_compiled_specialisations():
     """Each launch of the two kernels here is a specialisation tests/test_kernels_compile.py builds (also checked,
     for every emulated launch, by tests/test_emulated_plans.py)."""
     from m2ops.kernels.specs import all_specs
-    x, w, b, zt, dy = _inputs((4,), 2, 300, torch.bfloat16, True, True, "slice", 0)
-    with emulated_kernels():
-        _, r = norm.rms_norm_gated(x, w, b, zt, 1e-5, 300, True)
-        norm.rms_norm_gated_bwd(dy, x, w, b, zt, r, 1e-5, 300, True)
-    ours = {k for k in LAUNCHED if k[0] in ("gated_norm_kernel", "gated_norm_bwd_kernel")}
-    assert ours and ours <= {s.key() for s in all_specs()}
+    for gs in (300, 5000):  # (5000: the column-tiled forward)
+        x, w, b, zt, dy = _inputs((4,), 2, gs, torch.bfloat16, True, True, "slice", 0)
+        with emulated_kernels():
+            _, r = norm.rms_norm_gated(x, w, b, zt, 1e-5, gs, True)
+            norm.rms_norm_gated_bwd(dy, x, w, b, zt, r, 1e-5, gs, True)
+    names = ("gated_norm_kernel", "gated_norm_wide_kernel", "gated_norm_bwd_kernel")
+    ours = {k for k in LAUNCHED if k[0] in names}
+    assert {k[0] for k in ours} == set(names) and ours <= {s.key() for s in all_specs()}
 
 
 def test_empty_rows_launch_nothing():

@@ -16,6 +16,7 @@ Kernels (one file each, beside nothing but their device helpers):
     state_update_inplace.py  state_update_inplace_kernel  one decode token into a state cache, in place
     chunk_cumsum_bwd.py, state_pass_bwd.py, compute_out_bwd.py   the backward kernels of the three ops
     gated_norm.py      gated_norm_kernel      the layer's gated RMSNorm: y and rstd per (row block, group)
+    gated_norm_wide.py gated_norm_wide_kernel the same for groups wider than one tile, in column tiles
     gated_norm_bwd.py  gated_norm_bwd_kernel  its backward: dx, dz, partial weight and bias sums
     conv1d.py, conv1d_bwd.py, conv1d_update.py   causal_conv1d_kernel, causal_conv1d_bwd_kernel,
                        causal_conv1d_update_kernel: the layer's causal depthwise convolution (+ SiLU),

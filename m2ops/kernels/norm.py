@@ -34,6 +34,11 @@ NORM_TILE_ELEMS = 4096
 # sm_90+) shares each tile: forward 87 registers, backward 234 without spills (with one CTA it spills 892 bytes).
 NORM_HINTS = (("num_worker_warps", 8),)
 NORM_WIDE_HINTS = (("num_ctas", 2), ("num_worker_warps", 8))
+# The forward of groups over NORM_TILE_ELEMS channels (gated_norm_wide.py): BR rows in CS-column tiles, walked twice.
+# gated_norm_kernel's whole-group tile built as a CTA pair took 2.26 ms at 32768 rows x 5120 channels on an H100,
+# 5.8x mamba_ssm's norm (2026-12-07). Built with NORM_HINTS; not yet timed (measure/norm_variants.py).
+NORM_WIDE_ROWS = 4
+NORM_WIDE_COLS = 1024
 
 # Backward programs: each walks row blocks and keeps its weight and bias sums in registers, one row of partial sums
 # each in the end. One resident program per SM (the builds take 194-238 registers of 256 threads): enough to
@@ -48,6 +53,10 @@ def norm_group_tile(group_size: int) -> int:
 
 def norm_constants(group_tile: int) -> dict:
     return dict(BR=max(1, NORM_TILE_ELEMS // group_tile), GS=group_tile)
+
+
+def norm_wide_constants() -> dict:
+    return dict(BR=NORM_WIDE_ROWS, CS=NORM_WIDE_COLS)
 
 
 def norm_hints(group_tile: int) -> tuple:
@@ -80,6 +89,11 @@ def _plan(group_size: int):
     return k, hinted("gated_norm", hints), hinted("gated_norm_bwd", hints), hints
 
 
+@functools.lru_cache(maxsize=None)
+def _wide_kernel():
+    return hinted("gated_norm_wide", NORM_HINTS)
+
+
 def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_gate: bool):
     """m2ops::rms_norm_gated on the GPU: (y like x, rstd (ngroups, rows) float32). One launch."""
     hidden = x.shape[-1]
@@ -93,10 +107,15 @@ def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_
         z3 = _grouped(_as_rows(z, hidden, act), group_size) if z is not None else dummy(x, act, 3)
         w = as_dtype(weight, torch.float32).view(ngroups, group_size)
         b = as_dtype(bias, torch.float32).view(ngroups, group_size) if bias is not None else dummy(x, torch.float32, 2)
-        runtime.launch((cdiv(rows, k["BR"]), ngroups, 1), kernel,
-                       (_grouped(x2, group_size), z3, w, b, _grouped(y, group_size), rstd,
-                        1.0 / group_size, float(eps), int(z is not None), int(bias is not None),
-                        int(z is not None and not norm_before_gate), k["BR"], k["GS"]))
+        flags = (1.0 / group_size, float(eps), int(z is not None), int(bias is not None),
+                 int(z is not None and not norm_before_gate))
+        arrays = (_grouped(x2, group_size), z3, w, b, _grouped(y, group_size), rstd)
+        if k["GS"] > NORM_TILE_ELEMS:  # wider than one tile: the column-tiled kernel
+            wk = norm_wide_constants()
+            runtime.launch((cdiv(rows, wk["BR"]), ngroups, 1), _wide_kernel(),
+                           (*arrays, *flags, cdiv(group_size, wk["CS"]), wk["BR"], wk["CS"]))
+        else:
+            runtime.launch((cdiv(rows, k["BR"]), ngroups, 1), kernel, (*arrays, *flags, k["BR"], k["GS"]))
     y = y.view(x.shape)
     return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
 

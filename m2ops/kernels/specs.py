@@ -180,6 +180,9 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 10, _FLOAT, _FLOAT)
     if kernel_name == "gated_norm":
         return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT, _INT, _INT, _INT)
+    if kernel_name == "gated_norm_wide":
+        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT, _INT, _INT, _INT,
+                _INT)
     if kernel_name == "gated_norm_bwd":
         return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
                 _a(F32, 3), _a(F32, 3), _INT, _INT, _FLOAT, _INT, _INT, _INT)
@@ -345,6 +348,8 @@ def all_specs() -> list[Spec]:
         for gt in norm.NORM_GROUP_TILES:
             for name in ("gated_norm", "gated_norm_bwd"):
                 out.append(Spec(name, dt, norm.norm_constants(gt), _params(name, dt), norm.norm_hints(gt)))
+        out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(), _params("gated_norm_wide", dt),
+                        norm.NORM_HINTS))
     # The causal convolution (conv.py): activations' dtype x width (x SiLU for the backward, whose u is
     # recomputed only with it); the update x conv_state's dtype (conv.update_state_dtypes).
     for dt in INPUT_DTYPES:
