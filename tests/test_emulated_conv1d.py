@@ -103,9 +103,10 @@ def test_backward(case):
 
 @given(dtype=st.sampled_from(DTYPES), state_f32=st.booleans(), W=st.sampled_from([2, 3, 4]), extra=st.integers(0, 4),
        b=st.integers(1, 3), c=st.sampled_from([5, 128, 200]), indexed=st.booleans(), bias=st.booleans(),
-       silu=st.booleans(), seed=st.integers(0, 2 ** 16))
+       silu=st.booleans(), params_like_x=st.booleans(), seed=st.integers(0, 2 ** 16))
 @SWEEP
-def test_update(dtype, state_f32, W, extra, b, c, indexed, bias, silu, seed):
+def test_update(dtype, state_f32, W, extra, b, c, indexed, bias, silu, params_like_x, seed):
+    """params_like_x: weight and bias in x's dtype, which the kernel reads as they are (no conversion)."""
     g = torch.Generator().manual_seed(seed)
     S = min(W - 1 + extra, 8)
     state_dtype = torch.float32 if state_f32 else dtype
@@ -113,6 +114,8 @@ def test_update(dtype, state_f32, W, extra, b, c, indexed, bias, silu, seed):
     x = torch.randn(b, c, generator=g).to(dtype)
     state = torch.randn(slots, c, S, generator=g).to(state_dtype)
     weight, bb = torch.randn(c, W, generator=g), torch.randn(c, generator=g) if bias else None
+    if params_like_x:
+        weight, bb = weight.to(dtype), (bb.to(dtype) if bb is not None else None)
     idx = None
     if indexed:
         idx = torch.randperm(slots, generator=g)[:b].to(torch.int32)

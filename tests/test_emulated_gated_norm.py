@@ -130,6 +130,21 @@ def test_launches_are_compiled_specialisations():
     assert {k[0] for k in ours} == set(names) and ours <= {s.key() for s in all_specs()}
 
 
+@pytest.mark.parametrize("group_size", [100, 5000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_reads_weights_in_the_activations_dtype(group_size, bias):
+    """weight and bias in the activations' dtype go to the forward kernels as they are (a decode step launches no
+    conversion for them), and give the reference's output."""
+    x, w, b, zt, _ = _inputs((3, 5), 2, group_size, torch.bfloat16, True, bias, "slice", 1)
+    w, b = w.to(torch.bfloat16), (b.to(torch.bfloat16) if b is not None else None)
+    ey, er = ref.rms_norm_gated(x, w, b, zt, 1e-5, group_size, False)
+    with emulated_kernels():
+        y, r = norm.rms_norm_gated(x, w, b, zt, 1e-5, group_size, False)
+    assert rel_err(y, ey) <= TOL[torch.bfloat16] and rel_err(r, er) <= TOL[torch.float32]
+    name = "gated_norm_wide_kernel" if group_size > 4096 else "gated_norm_kernel"
+    assert any(k[0] == name and ("weight", "bfloat16", 2) in k[2] for k in LAUNCHED)
+
+
 def test_empty_rows_launch_nothing():
     x = torch.zeros(0, 64)
     with emulated_kernels():

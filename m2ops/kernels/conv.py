@@ -5,7 +5,8 @@ reference functions' signatures (m2ops/reference/conv1d.py).
 The kernels read x and g_y through their (batch, seqlen, channels) views with channels contiguous: the layer's x,
 a transposed view of the input projection's output, is taken as it is; any other layout is copied to that one
 first. y and g_x are written channel-last (meta.conv1d.conv_output). weight, bias and the states are small and read
-in float32 (converted when they are not); seq_idx in int32. The history (initial_states) and its gradient travel as
+in float32 (converted when they are not; the decode update also takes weight and bias in x's dtype as they are,
+runtime.param_dtype); seq_idx in int32. The history (initial_states) and its gradient travel as
 channel-last float32 (batch, HALO, channels) arrays, the W-1 entries last, which the launcher builds and unpacks
 (a few KB): the kernels then read and write the history like any other halo rows.
 """
@@ -17,7 +18,7 @@ import torch
 from . import runtime
 from .common import cdiv
 from .conv1d import HALO
-from .runtime import as_dtype, dense, dtype_name, dummy
+from .runtime import as_dtype, dense, dtype_name, dummy, param_dtype
 from .specialise import hinted_kernel
 from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
 
@@ -163,8 +164,9 @@ def causal_conv1d_update(x, conv_state, weight, bias, silu: bool, conv_state_ind
     k = update_constants()
     y = torch.empty((b, c), dtype=x.dtype, device=x.device)
     kernel = hinted_kernel("causal_conv1d_update", dtype_name(x.dtype), 0)
+    pd = param_dtype(x.dtype, weight, bias)
     runtime.launch((cdiv(c, k["BC"]), b, 1), kernel,
-                   (dense(x), conv_state, as_dtype(weight, torch.float32), _optional(bias, torch.float32, x, 1),
+                   (dense(x), conv_state, as_dtype(weight, pd), _optional(bias, pd, x, 1),
                     _optional(conv_state_indices, torch.int32, x, 1), y,
                     conv_state.shape[2], weight.shape[1], int(bias is not None), int(conv_state_indices is not None),
                     int(bool(silu)), k["SP"], k["BC"]))

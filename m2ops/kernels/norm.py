@@ -4,7 +4,8 @@ hints, their launches. Signatures and outputs are the reference's (m2ops/referen
 x, z and dy are read in place as (rows, ngroups, group_size) views: the leading dimensions must flatten to one row
 stride and the channels must be contiguous (the layer's z, a slice of in_proj's output, is such a view); other
 layouts are copied once. x and z (and dy) are read in their promoted dtype (converted when they differ; outputs
-converted back), weight and bias in float32. No host synchronisation; nothing depends on tensor values.
+converted back), weight and bias in float32 (the forward: also in the activations' dtype, as they are,
+runtime.param_dtype). No host synchronisation; nothing depends on tensor values.
 Callers have decided that the kernels serve the call (ops.dispatch.kernels_serve, and group_size at most
 KERNEL_NORM_MAX_GROUP).
 """
@@ -18,7 +19,7 @@ import torch
 from ..meta.gated_norm import KERNEL_NORM_MAX_GROUP, norm_rstd_shape
 from . import runtime
 from .common import cdiv
-from .runtime import as_dtype, common_dtype, dense, dummy
+from .runtime import as_dtype, common_dtype, dense, dummy, param_dtype
 from .specialise import hinted
 
 # Group tiles: the group size rounded up to a power of two, from 64. Programs hold NORM_TILE_ELEMS elements of each
@@ -105,8 +106,9 @@ def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_
     if rows > 0:
         k, kernel, _, _ = _plan(group_size)
         z3 = _grouped(_as_rows(z, hidden, act), group_size) if z is not None else dummy(x, act, 3)
-        w = as_dtype(weight, torch.float32).view(ngroups, group_size)
-        b = as_dtype(bias, torch.float32).view(ngroups, group_size) if bias is not None else dummy(x, torch.float32, 2)
+        pd = param_dtype(act, weight, bias)
+        w = as_dtype(weight, pd).view(ngroups, group_size)
+        b = as_dtype(bias, pd).view(ngroups, group_size) if bias is not None else dummy(x, pd, 2)
         flags = (1.0 / group_size, float(eps), int(z is not None), int(bias is not None),
                  int(z is not None and not norm_before_gate))
         arrays = (_grouped(x2, group_size), z3, w, b, _grouped(y, group_size), rstd)

@@ -38,6 +38,14 @@ def as_dtype(t, dtype):
     return dense(t if t.dtype == dtype else t.to(dtype))
 
 
+def param_dtype(act_dtype, *params):
+    """The dtype a kernel reads its small parameter arrays (weights, biases) in: the activations' when every given
+    one already is (no conversion: a decode step would otherwise launch one per parameter per token), else
+    float32 (the kernels compute in float32 either way). The specialisations list both (specs.PARAM_KERNELS)."""
+    given = [p for p in params if p is not None]
+    return act_dtype if given and all(p.dtype == act_dtype for p in given) else torch.float32
+
+
 _DUMMIES: dict = {}
 
 

@@ -12,8 +12,9 @@ reads only float32 (its dtype is "float32" whatever the activations), the latter
 Kernels the launchers compile with ct.kernel hints (specialise.kernel_hints: occupancy) carry them in their
 Spec, so the compile test builds exactly the objects the launchers launch. state_update (decode) is listed
 per activation dtype, dt dtype and state dtype (each the activations' dtype or float32) and dstate tile, the
-first two dtypes in Spec.dtypes; state_update_inplace (decode into a cache) likewise. The gated RMSNorm's two
-kernels are listed per activation dtype and group tile.
+first two dtypes in Spec.dtypes; state_update_inplace (decode into a cache) likewise. The gated RMSNorm's
+kernels are listed per activation dtype and group tile, the forwards and the convolution's decode update also per
+weight-and-bias dtype (float32 or the activations', PARAM_KERNELS).
 
 The signatures describe contiguous inputs (last stride 1); at run time cuTile specialises further on the
 actual strides and alignment, as it does for any kernel.
@@ -103,16 +104,25 @@ def _a(dtype, ndim):
     return ("array", dtype, ndim)
 
 
+# The kernels whose weight and bias come in float32 or in the activations' dtype (runtime.param_dtype).
+PARAM_KERNELS = ("gated_norm", "gated_norm_wide", "causal_conv1d_update")
+
+
+def param_dtypes(dt: str) -> tuple:
+    return (F32,) if dt == F32 else (F32, dt)
+
+
 _INT, _FLOAT = ("int",), ("float",)
 
 
 def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F32, cb_dtype: str = F32,
-            g_dtype: str = F32, g_local_dtype: str = F32, local_dtype: str = F32) -> tuple:
+            g_dtype: str = F32, g_local_dtype: str = F32, local_dtype: str = F32, param_dtype: str = F32) -> tuple:
     """Run-time parameters of each kernel, in the order of its Python signature (constants excluded).
     dt_dtype and state_dtype: state_update's dt and state (and new_state) arrays; state_dtype is also
     state_passing's separate entering-state output and compute_out's states; cb_dtype: chunk_cb's output and
     compute_out's C . B^T; g_dtype: compute_out_bwd's G; g_local_dtype: fwd_pass_state's backward's glocal;
-    local_dtype: the local states chunk_state writes and state_passing reads."""
+    local_dtype: the local states chunk_state writes and state_passing reads; param_dtype: the weight and bias of
+    PARAM_KERNELS (runtime.param_dtype)."""
     if kernel_name == "chunk_cumsum":
         return (_a(dt, 3), _a(F32, 1), _a(F32, 1), _a(F32, 4), _a(F32, 4),
                 _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
@@ -179,10 +189,11 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
                 _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 10, _FLOAT, _FLOAT)
     if kernel_name == "gated_norm":
-        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT, _INT, _INT, _INT)
+        return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
+                _INT, _INT, _INT)
     if kernel_name == "gated_norm_wide":
-        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT, _INT, _INT, _INT,
-                _INT)
+        return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
+                _INT, _INT, _INT, _INT)
     if kernel_name == "gated_norm_bwd":
         return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
                 _a(F32, 3), _a(F32, 3), _INT, _INT, _FLOAT, _INT, _INT, _INT)
@@ -192,7 +203,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(F32, 3),
                 _a(F32, 2), _a(F32, 3), *(_INT,) * 6)
     if kernel_name == "causal_conv1d_update":  # state_dtype: conv_state's
-        return (_a(dt, 2), _a(state_dtype, 3), _a(F32, 2), _a(F32, 1), _a(I32, 1), _a(dt, 2), *(_INT,) * 5)
+        return (_a(dt, 2), _a(state_dtype, 3), _a(param_dtype, 2), _a(param_dtype, 1), _a(I32, 1), _a(dt, 2),
+                *(_INT,) * 5)
     raise KeyError(kernel_name)
 
 
@@ -343,13 +355,18 @@ def all_specs() -> list[Spec]:
                         out.append(Spec("state_update_inplace", dt, decode.state_update_constants(tn),
                                         _params("state_update_inplace", dt, dt_dtype, state_dtype),
                                         hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
-    # The gated RMSNorm (norm.py): activations' dtype x group tile, each tile with its hints.
+    # The gated RMSNorm (norm.py): activations' dtype x group tile, each tile with its hints; the forwards also x
+    # the dtype of weight and bias (runtime.param_dtype).
     for dt in INPUT_DTYPES:
         for gt in norm.NORM_GROUP_TILES:
-            for name in ("gated_norm", "gated_norm_bwd"):
-                out.append(Spec(name, dt, norm.norm_constants(gt), _params(name, dt), norm.norm_hints(gt)))
-        out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(), _params("gated_norm_wide", dt),
-                        norm.NORM_HINTS))
+            out.append(Spec("gated_norm_bwd", dt, norm.norm_constants(gt), _params("gated_norm_bwd", dt),
+                            norm.norm_hints(gt)))
+            for pd in param_dtypes(dt):
+                out.append(Spec("gated_norm", dt, norm.norm_constants(gt), _params("gated_norm", dt, param_dtype=pd),
+                                norm.norm_hints(gt), dtypes=(("param", pd),)))
+        for pd in param_dtypes(dt):
+            out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(),
+                            _params("gated_norm_wide", dt, param_dtype=pd), norm.NORM_HINTS, dtypes=(("param", pd),)))
     # The causal convolution (conv.py): activations' dtype x width (x SiLU for the backward, whose u is
     # recomputed only with it); the update x conv_state's dtype (conv.update_state_dtypes).
     for dt in INPUT_DTYPES:
@@ -360,9 +377,10 @@ def all_specs() -> list[Spec]:
                 out.append(Spec("causal_conv1d_bwd", dt, conv.conv_bwd_constants(width, act),
                                 _params("causal_conv1d_bwd", dt), _hints("causal_conv1d_bwd", dt, 0)))
         for sd in conv.update_state_dtypes(dt):
-            out.append(Spec("causal_conv1d_update", dt, conv.update_constants(),
-                            _params("causal_conv1d_update", dt, state_dtype=sd), _hints("causal_conv1d_update", dt, 0),
-                            dtypes=(("state", sd),)))
+            for pd in param_dtypes(dt):
+                out.append(Spec("causal_conv1d_update", dt, conv.update_constants(),
+                                _params("causal_conv1d_update", dt, state_dtype=sd, param_dtype=pd),
+                                _hints("causal_conv1d_update", dt, 0), dtypes=(("state", sd), ("param", pd))))
     # Each with 64-bit-indexed arrays also as its 32-bit twin.
     out += [dataclasses.replace(s, narrow=True) for s in out if index_width.has_wide_arrays(s.kernel)]
     return out
