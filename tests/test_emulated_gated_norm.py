@@ -75,8 +75,8 @@ def _check(lead, ngroups, group_size, dtype, name, layout, seed, sm_count):
 
 
 # (leading dims, ngroups, group_size, layout): partial row blocks at every tile class, groups of a power of two
-# and not, several groups; groups over 4096 go to the column-tiled kernel (gated_norm_wide: a partial last column
-# tile at 5000, two groups of 5120 over 6 rows, the last row block partial).
+# and not, several groups; groups over 4096 go to the column-tiled kernels (gated_norm_wide, and the backward's
+# two: a partial last column tile at 5000, two groups of 5120 over 6 rows, the last row block partial).
 SHAPES = [
     ((3, 50), 2, 64, "slice"),         # GS 64, BR 64: 150 rows, 3 row blocks, the last partial
     ((2, 37), 3, 100, "slice"),        # GS 128 padded, BR 32
@@ -125,7 +125,8 @@ def test_launches_are_compiled_specialisations():
         with emulated_kernels():
             _, r = norm.rms_norm_gated(x, w, b, zt, 1e-5, gs, True)
             norm.rms_norm_gated_bwd(dy, x, w, b, zt, r, 1e-5, gs, True)
-    names = ("gated_norm_kernel", "gated_norm_wide_kernel", "gated_norm_bwd_kernel")
+    names = ("gated_norm_kernel", "gated_norm_wide_kernel", "gated_norm_bwd_kernel", "gated_norm_wide_rows_kernel",
+             "gated_norm_wide_bwd_kernel")
     ours = {k for k in LAUNCHED if k[0] in names}
     assert {k[0] for k in ours} == set(names) and ours <= {s.key() for s in all_specs()}
 

@@ -18,6 +18,7 @@ Kernels (one file each, beside nothing but their device helpers):
     gated_norm.py      gated_norm_kernel      the layer's gated RMSNorm: y and rstd per (row block, group)
     gated_norm_wide.py gated_norm_wide_kernel the same for groups wider than one tile, in column tiles
     gated_norm_bwd.py  gated_norm_bwd_kernel  its backward: dx, dz, partial weight and bias sums
+    gated_norm_wide_bwd.py  gated_norm_wide_rows_kernel, gated_norm_wide_bwd_kernel  the same for wide groups
     conv1d.py, conv1d_bwd.py, conv1d_update.py   causal_conv1d_kernel, causal_conv1d_bwd_kernel,
                        causal_conv1d_update_kernel: the layer's causal depthwise convolution (+ SiLU),
                        forward, backward and one decode token (cache updated in place)

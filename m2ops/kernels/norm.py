@@ -40,6 +40,9 @@ NORM_WIDE_HINTS = (("num_ctas", 2), ("num_worker_warps", 8))
 # 5.8x mamba_ssm's norm (2026-12-07). Built with NORM_HINTS; not yet timed (measure/norm_variants.py).
 NORM_WIDE_ROWS = 4
 NORM_WIDE_COLS = 1024
+# Its backward (gated_norm_wide_bwd.py): programs per SM in all, spread over the groups' column tiles; (4, 1024)
+# float32 tiles leave room for several per SM. Not yet timed.
+NORM_WIDE_BWD_PROGRAMS_PER_SM = 4
 
 # Backward programs: each walks row blocks and keeps its weight and bias sums in registers, one row of partial sums
 # each in the end. One resident program per SM (the builds take 194-238 registers of 256 threads): enough to
@@ -95,6 +98,11 @@ def _wide_kernel():
     return hinted("gated_norm_wide", NORM_HINTS)
 
 
+@functools.lru_cache(maxsize=None)
+def _wide_bwd_kernels():
+    return hinted("gated_norm_wide_rows", NORM_HINTS), hinted("gated_norm_wide_bwd", NORM_HINTS)
+
+
 def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_gate: bool):
     """m2ops::rms_norm_gated on the GPU: (y like x, rstd (ngroups, rows) float32). One launch."""
     hidden = x.shape[-1]
@@ -132,7 +140,8 @@ def norm_bwd_programs(n_row_blocks: int, ngroups: int, hints: tuple, device) -> 
 
 def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int, norm_before_gate: bool):
     """m2ops::rms_norm_gated_bwd on the GPU: (dx like x, dweight like weight, dbias like bias, dz like z), each
-    contiguous; empty for an absent bias or z. One launch, and the sums of the programs' partial rows."""
+    contiguous; empty for an absent bias or z. One launch (two for groups wider than a tile), and the sums of the
+    programs' partial rows."""
     hidden = x.shape[-1]
     act = common_dtype(x, z)
     x2 = _as_rows(x, hidden, act)
@@ -141,8 +150,17 @@ def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int
     dx = torch.empty((rows, hidden), dtype=act, device=dev)
     dz = torch.empty((rows, hidden), dtype=act, device=dev) if z is not None else None
     k, _, kernel, hints = _plan(group_size)
-    n_row_blocks = cdiv(rows, k["BR"])
-    programs = norm_bwd_programs(n_row_blocks, ngroups, hints, dev) if rows > 0 else 0
+    wide = k["GS"] > NORM_TILE_ELEMS
+    BR = NORM_WIDE_ROWS if wide else k["BR"]
+    n_row_blocks = cdiv(rows, BR)
+    n_chunks = cdiv(group_size, NORM_WIDE_COLS)
+    if rows == 0:
+        programs = 0
+    elif wide:  # (programs per column tile and group: NORM_WIDE_BWD_PROGRAMS_PER_SM on every SM in all)
+        want = cdiv(NORM_WIDE_BWD_PROGRAMS_PER_SM * runtime.sm_count(dev), ngroups * n_chunks)
+        programs = max(1, min(n_row_blocks, want))
+    else:
+        programs = norm_bwd_programs(n_row_blocks, ngroups, hints, dev)
     dw_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev)
     db_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev) if bias is not None \
         else None
@@ -151,14 +169,24 @@ def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int
         w = as_dtype(weight, torch.float32).view(ngroups, group_size)
         b = as_dtype(bias, torch.float32).view(ngroups, group_size) if bias is not None else dummy(x, torch.float32, 2)
         f32_3 = dummy(x, torch.float32, 3)
-        runtime.launch((programs, ngroups, 1), kernel,
-                       (_grouped(_as_rows(dy, hidden, act), group_size), _grouped(x2, group_size), z3, w, b,
-                        as_dtype(rstd, torch.float32), _grouped(dx, group_size),
-                        _grouped(dz, group_size) if dz is not None else dummy(x, act, 3),
-                        dw_part, db_part if db_part is not None else f32_3,
-                        n_row_blocks, programs, 1.0 / group_size,
-                        int(z is not None), int(bias is not None), int(z is not None and not norm_before_gate),
-                        k["BR"], k["GS"]))
+        dy3, x3, r32 = _grouped(_as_rows(dy, hidden, act), group_size), _grouped(x2, group_size), as_dtype(
+            rstd, torch.float32)
+        dx3, dz3 = _grouped(dx, group_size), _grouped(dz, group_size) if dz is not None else dummy(x, act, 3)
+        db3 = db_part if db_part is not None else f32_3
+        has_z, has_bias = int(z is not None), int(bias is not None)
+        gate_first = int(z is not None and not norm_before_gate)
+        if wide:
+            msum = torch.empty((ngroups, rows), dtype=torch.float32, device=dev)
+            runtime.launch((n_row_blocks, ngroups, 1), _wide_bwd_kernels()[0],
+                           (dy3, x3, z3, w, r32, msum, 1.0 / group_size, has_z, gate_first, n_chunks,
+                            NORM_WIDE_ROWS, NORM_WIDE_COLS))
+            runtime.launch((programs, ngroups, n_chunks), _wide_bwd_kernels()[1],
+                           (dy3, x3, z3, w, b, r32, msum, dx3, dz3, dw_part, db3, n_row_blocks, programs,
+                            has_z, has_bias, gate_first, NORM_WIDE_ROWS, NORM_WIDE_COLS))
+        else:
+            runtime.launch((programs, ngroups, 1), kernel,
+                           (dy3, x3, z3, w, b, r32, dx3, dz3, dw_part, db3, n_row_blocks, programs, 1.0 / group_size,
+                            has_z, has_bias, gate_first, k["BR"], k["GS"]))
     dweight = dw_part.sum(0).view(weight.shape).to(weight.dtype)
     dbias = db_part.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else dy.new_empty((0,))
     dx = dx.view(x.shape)

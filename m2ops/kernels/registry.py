@@ -21,6 +21,7 @@ from .conv1d_update import causal_conv1d_update_kernel
 from .gated_norm import gated_norm_kernel
 from .gated_norm_bwd import gated_norm_bwd_kernel
 from .gated_norm_wide import gated_norm_wide_kernel
+from .gated_norm_wide_bwd import gated_norm_wide_bwd_kernel, gated_norm_wide_rows_kernel
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
                              state_passing_bwd_kernel)
@@ -57,6 +58,8 @@ _TABLE = {
     # The layer's gated RMSNorm (norm.py), forward and backward.
     "gated_norm": (gated_norm_kernel, False),
     "gated_norm_wide": (gated_norm_wide_kernel, False),
+    "gated_norm_wide_rows": (gated_norm_wide_rows_kernel, False),
+    "gated_norm_wide_bwd": (gated_norm_wide_bwd_kernel, False),
     "gated_norm_bwd": (gated_norm_bwd_kernel, False),
     # The layer's causal convolution (conv.py): forward, backward, decode update.
     "causal_conv1d": (causal_conv1d_kernel, False),

@@ -194,6 +194,11 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "gated_norm_wide":
         return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
                 _INT, _INT, _INT, _INT)
+    if kernel_name == "gated_norm_wide_rows":
+        return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _FLOAT, _INT, _INT, _INT)
+    if kernel_name == "gated_norm_wide_bwd":
+        return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
+                _a(F32, 3), _a(F32, 3), _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "gated_norm_bwd":
         return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
                 _a(F32, 3), _a(F32, 3), _INT, _INT, _FLOAT, _INT, _INT, _INT)
@@ -367,6 +372,8 @@ def all_specs() -> list[Spec]:
         for pd in param_dtypes(dt):
             out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(),
                             _params("gated_norm_wide", dt, param_dtype=pd), norm.NORM_HINTS, dtypes=(("param", pd),)))
+        for name in ("gated_norm_wide_rows", "gated_norm_wide_bwd"):
+            out.append(Spec(name, dt, norm.norm_wide_constants(), _params(name, dt), norm.NORM_HINTS))
     # The causal convolution (conv.py): activations' dtype x width (x SiLU for the backward, whose u is
     # recomputed only with it); the update x conv_state's dtype (conv.update_state_dtypes).
     for dt in INPUT_DTYPES:
