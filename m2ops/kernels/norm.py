@@ -16,28 +16,27 @@ import functools
 
 import torch
 
-from ..meta.gated_norm import KERNEL_NORM_MAX_GROUP, norm_rstd_shape
+from ..meta.gated_norm import norm_rstd_shape
 from . import runtime
 from .common import cdiv
 from .runtime import as_dtype, common_dtype, dense, dummy, param_dtype
 from .specialise import hinted
 
-# Group tiles: the group size rounded up to a power of two, from 64. Programs hold NORM_TILE_ELEMS elements of each
-# tile (NORM_TILE_ELEMS // GS rows; one row of the 8192 tile): memory-bound, so enough bytes per program, while
-# every tile the backward holds stays in registers.
-NORM_GROUP_TILES = tuple(1 << k for k in range(6, KERNEL_NORM_MAX_GROUP.bit_length()))
+# Group tiles: the group size rounded up to a power of two, from 64 to NORM_TILE_ELEMS. Programs hold NORM_TILE_ELEMS
+# elements of each tile (NORM_TILE_ELEMS // GS rows): memory-bound, so enough bytes per program, while every tile
+# the backward holds stays in registers. Wider groups (up to KERNEL_NORM_MAX_GROUP) go to the column-tiled kernels.
 NORM_TILE_ELEMS = 4096
+NORM_GROUP_TILES = tuple(1 << k for k in range(6, NORM_TILE_ELEMS.bit_length()))
 
 # Hints, from the sm_90 builds' resources (ptxas -v on tileiras 13.4's PTX, measure/kernel_resources.py; not yet
 # timed on a GPU). Without hints tileiras builds 128 threads and the backward spills (bfloat16: 284-640 bytes a
-# thread at 4096 elements, 2.7 KB at GS 8192). num_worker_warps=8 (256 threads) builds the forward at 71-94
-# registers and the backward at 194-238 without spills; at GS 8192 a pair of CTAs (num_ctas=2, a cluster on
-# sm_90+) shares each tile: forward 87 registers, backward 234 without spills (with one CTA it spills 892 bytes).
+# thread at 4096 elements). num_worker_warps=8 (256 threads) builds the forward at 71-94 registers and the backward
+# at 194-238 without spills.
 NORM_HINTS = (("num_worker_warps", 8),)
-NORM_WIDE_HINTS = (("num_ctas", 2), ("num_worker_warps", 8))
-# The forward of groups over NORM_TILE_ELEMS channels (gated_norm_wide.py): BR rows in CS-column tiles, walked twice.
-# gated_norm_kernel's whole-group tile built as a CTA pair took 2.26 ms at 32768 rows x 5120 channels on an H100,
-# 5.8x mamba_ssm's norm (2026-12-07). Built with NORM_HINTS; not yet timed (measure/norm_variants.py).
+# Groups over NORM_TILE_ELEMS channels (gated_norm_wide.py, gated_norm_wide_bwd.py): BR rows in CS-column tiles. A
+# whole-group 8192 tile built as a CTA pair (num_ctas=2) took 2.26 ms forward and 3.0 ms backward at 32768 rows x
+# 5120 channels on an H100, 5.8x and 2.9x mamba_ssm's norm (2026-12-07). Built with NORM_HINTS; not yet timed
+# (measure/norm_variants.py).
 NORM_WIDE_ROWS = 4
 NORM_WIDE_COLS = 1024
 # Its backward (gated_norm_wide_bwd.py): programs per SM in all, spread over the groups' column tiles; (4, 1024)
@@ -51,7 +50,8 @@ NORM_BWD_PROGRAMS_PER_SM = 1
 
 
 def norm_group_tile(group_size: int) -> int:
-    """GS: the group tile (group_size rounded up to a power of two, at least 64)."""
+    """GS: the group tile (group_size rounded up to a power of two, at least 64); over NORM_TILE_ELEMS the group
+    goes to the column-tiled kernels."""
     return max(NORM_GROUP_TILES[0], 1 << (group_size - 1).bit_length())
 
 
@@ -64,7 +64,7 @@ def norm_wide_constants() -> dict:
 
 
 def norm_hints(group_tile: int) -> tuple:
-    return NORM_WIDE_HINTS if group_tile > NORM_TILE_ELEMS else NORM_HINTS
+    return NORM_HINTS
 
 
 def _as_rows(t, hidden, dtype):
