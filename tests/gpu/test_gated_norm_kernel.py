@@ -151,7 +151,7 @@ def test_kernels_match_reference(kw):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [64, 100, 256, 512, 1024, 2048, 4096, 5120, 8192])
 def test_every_group_tile(dtype, group_size):
-    """Every group tile (64 ... 8192; 5120 and 8192 take the clusters of two CTAs), both gate positions, the layer's
+    """Every group tile (64 ... 4096; 5120 and 8192 take the column-tiled kernels), both gate positions, the layer's
     layout, rows that leave a partial row block."""
     for option in ("gate_before_bias", "gate_after"):
         _check(make_inputs(lead=(3, 67), ngroups=2, group_size=group_size, dtype=dtype, option=option),
