@@ -270,7 +270,7 @@ def seq_major_copy(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def cp_results():
-    """The 4 spawned CPU ranks (gloo) of test_distributed_scan.py, which also run test_distributed_layer.py's
-    cases: one spawn for both files. Their results by rank."""
+    """The 4 spawned CPU ranks (gloo) of test_distributed_scan.py, which also run test_distributed_layer.py's and
+    test_tensor_parallel.py's cases: one spawn for the three files. Their results by rank."""
     from test_distributed_scan import WORLD, _worker, spawn_world
     return spawn_world(_worker, WORLD)

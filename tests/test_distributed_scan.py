@@ -239,8 +239,10 @@ def _worker(rank: int, world: int) -> dict:
         results["bad:" + name] = _run_bad(name, rank, groups)
         dist.barrier()
     results["in_step_after_bad_calls"] = run_each(CASES[:1], _run_case, rank, groups)[CASES[0].name]
-    from test_distributed_layer import layer_worker  # the layer's cases share this world (one spawn)
+    from test_distributed_layer import layer_worker  # the layer's cases share this world (one spawn),
+    from test_tensor_parallel import _worker as tp_worker  # and the tensor-parallel layer's
     results.update(layer_worker(rank, world))
+    results.update({"tp:" + k: v for k, v in tp_worker(rank, world).items()})
     return results
 
 

@@ -1,7 +1,7 @@
 """m2ops.Mamba2(process_group=...) on spawned CPU processes (gloo): the heads and groups split across ranks.
 
-One spawn of 4 ranks for every case (spawn_world of test_distributed_scan.py); the 2-rank cases run on the
-subgroup of ranks 0 and 1. Every rank builds the same one-rank m2ops.Mamba2 (same seed, float64) and runs it on
+The cases run in the 4-rank world that conftest.py's cp_results spawns once for the distributed test files; the
+2-rank cases run on the subgroup of ranks 0 and 1. Every rank builds the same one-rank m2ops.Mamba2 (same seed, float64) and runs it on
 the whole input with gradients, then the tensor-parallel layer loaded with load_full_state_dict of the same
 state dict on the same input (with sequence_parallel, its share of the tokens), and compares: the output (the
 rank's share), the caches (the rank's shard of the whole caches), the input's gradient (the rank's share) and
@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import max_rel_err, seq_idx_from_starts
-from test_distributed_scan import run_each, spawn_world
+from test_distributed_scan import run_each
 
-WORLD = 4
 TOL = 1e-10
 B, T, D_MODEL = 2, 12, 16
 
@@ -241,9 +240,10 @@ def _failure(fn, *args):
 
 
 @pytest.fixture(scope="module")
-def results():
-    """The 4 ranks, spawned once for this module; their results by rank."""
-    return spawn_world(_worker, WORLD)
+def results(cp_results):
+    """This file's results by rank, from the 4 ranks that conftest.py's cp_results spawns once for the distributed
+    test files (its worker runs _worker and keys the results "tp:<name>")."""
+    return [{k[3:]: v for k, v in r.items() if k.startswith("tp:")} for r in cp_results]
 
 
 def _assert_passed(results, key):
