@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from .reference.chunked import step_sizes
 
 
 class BlockIndex(NamedTuple):
@@ -74,12 +75,7 @@ def block_states(x, dt, A, B, dt_bias, dt_softplus: bool, dt_min: float, dt_max:
     if nb == 0:
         return x.new_zeros((0, h, p, n), dtype=f)
     tok = index.window
-    d = dt[tok].to(f)  # (nb, W, h)
-    if dt_bias is not None:
-        d = d + dt_bias.to(f)
-    if dt_softplus:
-        d = torch.where(d <= 20.0, F.softplus(d), d)
-    d = d.clamp(dt_min, dt_max) * index.inside[..., None].to(f)
+    d = step_sizes(dt[tok], dt_bias, dt_softplus, dt_min, dt_max, f) * index.inside[..., None].to(f)  # (nb, W, h)
     dA = d * A.to(f)
     # exp(sum of dA over the window's later tokens) carries token j's update to the boundary.
     later = torch.flip(torch.cumsum(torch.flip(dA, [1]), 1), [1]) - dA

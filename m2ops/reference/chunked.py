@@ -48,15 +48,21 @@ def seq_chunks(seq_idx: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, to
     return seq, prev
 
 
-def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float):
-    """dt (b, t, h) -> processed dt and the within-chunk cumulative sum of dt * A, both (b, h, c, l)."""
-    acc = compute_dtype(dt.dtype)
+def step_sizes(dt, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float, acc):
+    """The step sizes the recurrence uses, in acc: dt (+ dt_bias), softplus'd if asked, clamped to [dt_min, dt_max]
+    (dt_bias broadcasts over dt's last dimension, the heads)."""
     d = dt.to(acc)
     if dt_bias is not None:
         d = d + dt_bias.to(acc)
     if dt_softplus:
         d = F.softplus(d, threshold=20.0)  # identity above 20, like the kernels
-    d = d.clamp(dt_min, dt_max)
+    return d.clamp(dt_min, dt_max)
+
+
+def chunk_cumsum(dt, A, dt_bias, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float):
+    """dt (b, t, h) -> processed dt and the within-chunk cumulative sum of dt * A, both (b, h, c, l)."""
+    acc = compute_dtype(dt.dtype)
+    d = step_sizes(dt, dt_bias, dt_softplus, dt_min, dt_max, acc)
     d = to_chunks(d, chunk_size).permute(0, 3, 1, 2).contiguous()  # padding after the clamp: tail dt = 0
     return d, torch.cumsum(d * A.to(acc)[:, None, None], dim=-1)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..meta.shapes import compute_dtype
+from .chunked import step_sizes
 
 
 def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float):
@@ -23,12 +24,7 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     acc = torch.float64 if torch.float64 in (x.dtype, state.dtype) else compute_dtype(dt.dtype)
     h = x.shape[1]
     g = B.shape[1]
-    d = dt.to(acc)
-    if dt_bias is not None:
-        d = d + dt_bias.to(acc)
-    if dt_softplus:
-        d = F.softplus(d, threshold=20.0)
-    d = d.clamp(dt_min, dt_max)
+    d = step_sizes(dt, dt_bias, dt_softplus, dt_min, dt_max, acc)
     xf = x.to(acc)
     Bh = B.to(acc).repeat_interleave(h // g, dim=1)  # b h n
     Ch = C.to(acc).repeat_interleave(h // g, dim=1)
