@@ -28,7 +28,6 @@ there is no GPU (m2ops only when mamba_ssm is not importable), what the CPU test
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -37,6 +36,7 @@ import time
 import torch
 
 from .check import rel_err
+from .report import publish
 from .timing import runs_ms, summary
 
 IMPLS = ("m2ops", "m2ops-plain", "mamba_ssm", "mamba_ssm-memeff")
@@ -324,14 +324,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"{impl}: done", file=sys.stderr, flush=True)
-    table = markdown(result)
-    result["markdown"] = table
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
-    return result
+    return publish(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import platform
 import sys
 
 import torch
 
 from .check import rel_err
+from .report import publish
 from .timing import runs_ms, summary
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
@@ -55,6 +55,22 @@ PROFILE_KEYS = ("m2ops::", "mamba", "chunk_scan", "chunk_state", "state_passing"
 
 SMOKE = dict(d_model=64, n_layers=2, headdim=16, d_state=16, expand=2, ngroups=1, chunk_size=16, vocab=256,
              batch=1, seqlen=40, new_tokens=4, gen_prompt=12, runs=2, warmup=1)
+
+
+def resolve_device(p, args, smoke_what: str):
+    """args.device (default: cuda where torch sees a GPU, else the CPU with --smoke, else an error naming --smoke)
+    and args.dtype (default: bfloat16 on CUDA, float32 on the CPU); p.error for a CUDA device torch does not see."""
+    if args.device is None:
+        if torch.cuda.is_available():
+            args.device = "cuda"
+        elif args.smoke:
+            args.device = "cpu"
+        else:
+            p.error(f"no CUDA GPU: use --smoke ({smoke_what} on the CPU) or --device cpu")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA GPU")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
 
 
 def parse_args(argv=None):
@@ -91,17 +107,7 @@ def parse_args(argv=None):
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
-    if args.device is None:
-        if torch.cuda.is_available():
-            args.device = "cuda"
-        elif args.smoke:
-            args.device = "cpu"
-        else:
-            p.error("no CUDA GPU: use --smoke (a tiny model on the CPU) or --device cpu")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA GPU")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    resolve_device(p, args, "a tiny model")
     if args.gen_prompt is None:
         args.gen_prompt = args.seqlen
     args.modes = [m for m in args.modes.split(",") if m]
@@ -389,14 +395,7 @@ def main(argv=None):
             same = (a["tokens"] == b["tokens"]).all(0).long()
             checks["greedy_tokens_agreeing_prefix"] = int(same.cumprod(0).sum().item())
     result["checks"] = checks
-    table = markdown(result)
-    result["markdown"] = table
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
-    return result
+    return publish(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

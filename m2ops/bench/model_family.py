@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
-import json
 import platform
 import sys
 import time
@@ -39,7 +38,8 @@ import torch
 
 from . import families
 from .check import rel_err
-from .model import IMPLS, m2ops_backend, profiled_names, transformers_path
+from .model import IMPLS, m2ops_backend, profiled_names, resolve_device, transformers_path
+from .report import save_json
 from .timing import runs_ms, summary
 
 PROG = "python -m m2ops.bench.model"
@@ -79,17 +79,7 @@ def parse_args(argv=None):
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
-    if args.device is None:
-        if torch.cuda.is_available():
-            args.device = "cuda"
-        elif args.smoke:
-            args.device = "cpu"
-        else:
-            p.error("no CUDA GPU: use --smoke (tiny models on the CPU) or --device cpu")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA GPU")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    resolve_device(p, args, "tiny models")
     for name, plural in (("seqlen", "seqlens"), ("batch", "batches")):
         try:
             values = [int(v) for v in getattr(args, name).split(",") if v]
@@ -393,8 +383,7 @@ def main(argv=None):
         print(tables[-1], flush=True)
         if args.out:
             result["markdown"] = "\n".join(tables)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+            save_json(result, args.out)
     if args.out:
         print(f"wrote {args.out}")
     return result

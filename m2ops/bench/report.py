@@ -1,8 +1,26 @@
-"""Results as a markdown table and a PNG plot of m2ops's speedup over each peer."""
+"""Results as a markdown table and a PNG plot of m2ops's speedup over each peer; the JSON and printed table every
+benchmark entry point ends with."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+
+
+def save_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def publish(result: dict, table: str, path: str | None) -> dict:
+    """The end of a benchmark run: table kept in result["markdown"] and printed, result written as JSON to path
+    (when given). Returns result."""
+    result["markdown"] = table
+    print(table)
+    if path:
+        save_json(result, path)
+        print(f"wrote {path}")
+    return result
 
 
 def _fmt_ms(r, floor=None):

@@ -24,7 +24,6 @@ normwise relative errors. Timing: CUDA events with a synchronisation around each
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,6 +31,7 @@ import sys
 import torch
 
 from .check import rel_err
+from .report import publish
 from .timing import runs_ms, summary
 
 MODES = ("prefill", "decode")
@@ -269,14 +269,7 @@ def main(argv=None):
         for n in args.decode_dstates:
             for b in args.decode_batches:
                 result["results"][f"decode {b}, {n}"] = decode(args, peer_fns, b, n)
-    table = markdown(result)
-    result["markdown"] = table
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
-    return result
+    return publish(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":
