@@ -63,10 +63,6 @@ def norm_wide_constants() -> dict:
     return dict(BR=NORM_WIDE_ROWS, CS=NORM_WIDE_COLS)
 
 
-def norm_hints(group_tile: int) -> tuple:
-    return NORM_HINTS
-
-
 def _as_rows(t, hidden, dtype):
     """t (..., hidden) as a (rows, hidden) view with unit channel stride, in dtype: copied only where its leading
     dimensions do not flatten to one row stride, or its channels are not contiguous."""
@@ -89,8 +85,7 @@ def _grouped(t2, group_size):
 def _plan(group_size: int):
     gt = norm_group_tile(group_size)
     k = norm_constants(gt)
-    hints = norm_hints(gt)
-    return k, hinted("gated_norm", hints), hinted("gated_norm_bwd", hints), hints
+    return k, hinted("gated_norm", NORM_HINTS), hinted("gated_norm_bwd", NORM_HINTS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +107,7 @@ def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_
     y = torch.empty((rows, hidden), dtype=act, device=x.device)
     rstd = torch.empty(norm_rstd_shape(x.shape, group_size), dtype=torch.float32, device=x.device)
     if rows > 0:
-        k, kernel, _, _ = _plan(group_size)
+        k, kernel, _ = _plan(group_size)
         z3 = _grouped(_as_rows(z, hidden, act), group_size) if z is not None else dummy(x, act, 3)
         pd = param_dtype(act, weight, bias)
         w = as_dtype(weight, pd).view(ngroups, group_size)
@@ -130,12 +125,10 @@ def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_
     return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
 
 
-def norm_bwd_programs(n_row_blocks: int, ngroups: int, hints: tuple, device) -> int:
-    """Programs per group of the backward: NORM_BWD_PROGRAMS_PER_SM on every SM (a cluster of num_ctas takes as
-    many SMs), at most one per row block."""
-    per_program = dict(hints).get("num_ctas", 1)
-    want = cdiv(NORM_BWD_PROGRAMS_PER_SM * runtime.sm_count(device), per_program * ngroups)
-    return max(1, min(n_row_blocks, want))
+def norm_bwd_programs(n_row_blocks: int, tiles: int, per_sm: int, device) -> int:
+    """Programs per tile of the backward (a group, or a wide group's column tile): per_sm on every SM in all, at
+    most one per row block."""
+    return max(1, min(n_row_blocks, cdiv(per_sm * runtime.sm_count(device), tiles)))
 
 
 def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int, norm_before_gate: bool):
@@ -149,18 +142,13 @@ def rms_norm_gated_bwd(dy, x, weight, bias, z, rstd, eps: float, group_size: int
     dev = x.device
     dx = torch.empty((rows, hidden), dtype=act, device=dev)
     dz = torch.empty((rows, hidden), dtype=act, device=dev) if z is not None else None
-    k, _, kernel, hints = _plan(group_size)
+    k, _, kernel = _plan(group_size)
     wide = k["GS"] > NORM_TILE_ELEMS
     BR = NORM_WIDE_ROWS if wide else k["BR"]
     n_row_blocks = cdiv(rows, BR)
     n_chunks = cdiv(group_size, NORM_WIDE_COLS)
-    if rows == 0:
-        programs = 0
-    elif wide:  # (programs per column tile and group: NORM_WIDE_BWD_PROGRAMS_PER_SM on every SM in all)
-        want = cdiv(NORM_WIDE_BWD_PROGRAMS_PER_SM * runtime.sm_count(dev), ngroups * n_chunks)
-        programs = max(1, min(n_row_blocks, want))
-    else:
-        programs = norm_bwd_programs(n_row_blocks, ngroups, hints, dev)
+    tiles, per_sm = (ngroups * n_chunks, NORM_WIDE_BWD_PROGRAMS_PER_SM) if wide else (ngroups, NORM_BWD_PROGRAMS_PER_SM)
+    programs = norm_bwd_programs(n_row_blocks, tiles, per_sm, dev) if rows > 0 else 0
     dw_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev)
     db_part = torch.empty((programs, ngroups, group_size), dtype=torch.float32, device=dev) if bias is not None \
         else None

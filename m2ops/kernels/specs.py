@@ -365,10 +365,10 @@ def all_specs() -> list[Spec]:
     for dt in INPUT_DTYPES:
         for gt in norm.NORM_GROUP_TILES:
             out.append(Spec("gated_norm_bwd", dt, norm.norm_constants(gt), _params("gated_norm_bwd", dt),
-                            norm.norm_hints(gt)))
+                            norm.NORM_HINTS))
             for pd in param_dtypes(dt):
                 out.append(Spec("gated_norm", dt, norm.norm_constants(gt), _params("gated_norm", dt, param_dtype=pd),
-                                norm.norm_hints(gt), dtypes=(("param", pd),)))
+                                norm.NORM_HINTS, dtypes=(("param", pd),)))
         for pd in param_dtypes(dt):
             out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(),
                             _params("gated_norm_wide", dt, param_dtype=pd), norm.NORM_HINTS, dtypes=(("param", pd),)))
