@@ -231,17 +231,14 @@ class Mamba2(nn.Module):
             return forward_across_ranks(self, u, seqlen, seq_idx, cu_seqlens, cache, return_final_states)
         return self._forward_whole(u, seqlen, seq_idx, cu_seqlens, cache, return_final_states)
 
-    def _forward_whole(self, u, seqlen, seq_idx, cu_seqlens, cache, return_final_states):
-        """forward on whole sequences (no cp_group, or a group of one rank)."""
+    def _check_u(self, u, seqlen):
         _check_tensor("forward", "u", u, 3 if seqlen is None else 2,
                       "(batch, seqlen, d_model)" if seqlen is None else "(batch * seqlen, d_model)")
         if u.shape[-1] != self.d_model:
             _fail("forward", ValueError, "u", f"of last dimension d_model={self.d_model}", tuple(u.shape))
-        if self.tp_group is not None:  # replicated, or with sequence_parallel gathered from every rank's share
-            u = _tensor_parallel().enter(self, u, seqlen)
-        if seqlen is not None:
-            u = u.reshape(-1, seqlen, self.d_model)
-        batch, L, _ = u.shape
+
+    def _check_ids_and_cache(self, batch, L, seq_idx, cache):
+        """seq_idx (batch, L) and cache (conv_state, ssm_state) for u of batch x L tokens."""
         if seq_idx is not None:  # checked before the convolution reads it; the scan checks it again
             if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point():
                 _fail("forward", TypeError, "seq_idx", "an integer tensor",
@@ -249,13 +246,23 @@ class Mamba2(nn.Module):
             if tuple(seq_idx.shape) != (batch, L):
                 _fail("forward", ValueError, "seq_idx", f"an integer tensor of shape (batch, seqlen) = ({batch}, {L})",
                       tuple(seq_idx.shape))
-        conv_cache = ssm_cache = None
         if cache is not None:
             conv_cache, ssm_cache = cache
             _check_shape("forward", "cache[0] (conv_state)", conv_cache, (batch, self.conv_dim, self.d_conv),
                          "(batch, conv_dim, d_conv)")
             _check_shape("forward", "cache[1] (ssm_state)", ssm_cache,
                          (batch, self.nheads, self.headdim, self.d_state), "(batch, nheads, headdim, d_state)")
+
+    def _forward_whole(self, u, seqlen, seq_idx, cu_seqlens, cache, return_final_states):
+        """forward on whole sequences (no cp_group, or a group of one rank)."""
+        self._check_u(u, seqlen)
+        if self.tp_group is not None:  # replicated, or with sequence_parallel gathered from every rank's share
+            u = _tensor_parallel().enter(self, u, seqlen)
+        if seqlen is not None:
+            u = u.reshape(-1, seqlen, self.d_model)
+        batch, L, _ = u.shape
+        self._check_ids_and_cache(batch, L, seq_idx, cache)
+        conv_cache, ssm_cache = cache if cache is not None else (None, None)
 
         zxbcdt = self.in_proj(u)
         if self._mem_eff(zxbcdt, cache, return_final_states):

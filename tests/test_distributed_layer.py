@@ -141,3 +141,22 @@ def test_short_slice_raises_on_every_rank(cp_results):
         want = "must hold at least d_conv=4 tokens" if r == 1 else "rank(s) [1] of the group failed"
         got = res["layer:bad:short_slice"]
         assert got is not None and want in got, f"rank {r}: {got!r}"
+
+
+@pytest.mark.parametrize("kw, kind, words", [
+    (dict(u=torch.randn(2, 8, 15)), ValueError, "u must be of last dimension d_model=16"),
+    (dict(u=torch.randn(2, 8, 16).long()), TypeError, "u must be a floating-point tensor"),
+    (dict(seq_idx=torch.zeros(2, 5, dtype=torch.long)), ValueError, r"seq_idx must be an integer tensor of shape \(batch"),
+    (dict(cache=(torch.zeros(2, 3, 4), torch.zeros(2, 8, 4, 8))), ValueError, r"cache\[0\] \(conv_state\) must be"),
+    (dict(cu_seqlens=torch.tensor([0, 8])), ValueError, "cu_seqlens must be None with cp_group"),
+])
+def test_slice_checks_are_the_layers(kw, kind, words):
+    """A rank's slice goes through m2ops.Mamba2's own checks of u, seq_idx and cache (one process: the part before
+    the ranks compare their calls)."""
+    import m2ops
+    from m2ops.distributed import context_layer
+
+    layer = m2ops.Mamba2(16, d_state=8, headdim=4, ngroups=2)
+    args = {**dict(u=torch.randn(2, 8, 16), seqlen=None, seq_idx=None, cu_seqlens=None, cache=None), **kw}
+    with pytest.raises(kind, match=words):
+        context_layer._check_local(layer, **args)

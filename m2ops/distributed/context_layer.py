@@ -146,8 +146,8 @@ def _check(layer, pg, rank, u, seqlen, seq_idx, cu_seqlens, cache, return_final_
     error = None
     try:
         _check_local(layer, u, seqlen, seq_idx, cu_seqlens, cache)
-    except (TypeError, ValueError) as e:
-        error = type(e)(f"{WHERE} (rank {rank} of the group): {e}")
+    except (TypeError, ValueError) as e:  # (the layer's messages without their prefix: WHERE names the call)
+        error = type(e)(f"{WHERE} (rank {rank} of the group): {str(e).removeprefix('m2ops.Mamba2.forward: ')}")
     if not ranks.checks_exchanged(u):
         if error is not None:
             raise error
@@ -165,28 +165,12 @@ def _check(layer, pg, rank, u, seqlen, seq_idx, cu_seqlens, cache, return_final_
 
 
 def _check_local(layer, u, seqlen, seq_idx, cu_seqlens, cache):
+    """The layer's own checks of u, seq_idx and cache for this rank's slice, and what a slice needs besides."""
     if cu_seqlens is not None:
         raise ValueError("cu_seqlens must be None with cp_group (pass seq_idx: packed sequences may span ranks)")
-    ndim = 3 if seqlen is None else 2
-    if not isinstance(u, torch.Tensor) or u.dim() != ndim or u.shape[-1] != layer.d_model:
-        raise ValueError(f"u must be a {ndim}-dimensional tensor of last dimension d_model={layer.d_model}; got "
-                         f"{tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__}")
+    layer._check_u(u, seqlen)
     L = u.shape[1] if seqlen is None else seqlen
     if L < layer.d_conv:
         raise ValueError(f"u must hold at least d_conv={layer.d_conv} tokens on every rank (the convolution's "
                          f"halo comes from the rank before); got {L}")
-    batch = u.shape[0] if seqlen is None else u.shape[0] // seqlen
-    if seq_idx is not None and (not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point()
-                                or tuple(seq_idx.shape) != (batch, L)):
-        raise ValueError(f"seq_idx must be an integer tensor of shape (batch, seqlen) = ({batch}, {L}); got "
-                         f"{getattr(seq_idx, 'dtype', type(seq_idx).__name__)} "
-                         f"{tuple(getattr(seq_idx, 'shape', ()))}")
-    if cache is not None:
-        conv_cache, ssm_cache = cache
-        if tuple(conv_cache.shape) != (batch, layer.conv_dim, layer.d_conv):
-            raise ValueError(f"cache[0] (conv_state) must be of shape (batch, conv_dim, d_conv) = "
-                             f"({batch}, {layer.conv_dim}, {layer.d_conv}); got {tuple(conv_cache.shape)}")
-        if tuple(ssm_cache.shape) != (batch, layer.nheads, layer.headdim, layer.d_state):
-            raise ValueError(f"cache[1] (ssm_state) must be of shape (batch, nheads, headdim, d_state) = "
-                             f"({batch}, {layer.nheads}, {layer.headdim}, {layer.d_state}); got "
-                             f"{tuple(ssm_cache.shape)}")
+    layer._check_ids_and_cache(u.shape[0] if seqlen is None else u.shape[0] // seqlen, L, seq_idx, cache)
