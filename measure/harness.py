@@ -288,9 +288,9 @@ def kernel_times(fn, reps: int = 10, bucket=None) -> dict:
 
 def graphed(fn):
     """fn captured in a CUDA graph after warm-up calls on a side stream; returns the graph's replay (the
-    benchmark's own capture, m2ops.bench.peers)."""
-    from m2ops.bench.peers import _graphed
-    return _graphed(fn)
+    benchmark's own capture, m2ops.bench.timing.graphed)."""
+    from m2ops.bench.timing import graphed as capture
+    return capture(fn)
 
 
 # ---- the launchers' choices, overridden ----

@@ -37,7 +37,7 @@ import torch
 
 from .check import rel_err
 from .report import publish
-from .timing import runs_ms, summary
+from .timing import graphed, runs_ms, summary
 
 IMPLS = ("m2ops", "m2ops-plain", "mamba_ssm", "mamba_ssm-memeff")
 MODES = ("forward", "train", "decode")
@@ -210,17 +210,9 @@ def run_decode(layer, args, batch, dtype, device) -> dict:
     res = {"ssm_state_dtype": str(ssm.dtype).replace("torch.", "")}
     with torch.no_grad():
         if device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            replay = graphed(step)
             reps = 100
-            times = runs_ms(lambda: [graph.replay() for _ in range(reps)], device, args.runs, args.warmup)
+            times = runs_ms(lambda: [replay() for _ in range(reps)], device, args.runs, args.warmup)
             res["graph_us"] = 1e3 * statistics.median(times) / reps
             n = 50
             torch.cuda.synchronize(device)

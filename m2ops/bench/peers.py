@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import peer_tuning
+from .timing import graphed
 
 _EAGER = ("m2ops", "m2ops-default", "mamba_ssm-c64", "mamba_ssm-c128", "mamba_ssm-c256", "tilegym", "tilegym-tuned")
 # Every peer also as "<peer>-graph": its call captured once in a CUDA graph and the graph replayed. At short
@@ -85,7 +86,7 @@ def build(peer: str, inputs: dict, chunk_size: int, backward: bool = False):
             def fn():
                 y, final = forward()
                 return torch.autograd.grad((y, final), leaves, (dout, dfinal))
-    return _graphed(fn) if peer.endswith("-graph") else fn
+    return graphed(fn) if peer.endswith("-graph") else fn
 
 
 GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "initial_states")
@@ -142,17 +143,3 @@ def m2ops_choice(inputs: dict, chunk_size: int) -> dict:
                           True, False, first=True)
     return {"m2ops_config": found if found is not None else "default",
             "m2ops_planned": call is not None and call in planned.CALL_PLANS}
-
-
-def _graphed(fn):
-    """Capture fn in a CUDA graph (after a warm-up on a side stream) and return its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay

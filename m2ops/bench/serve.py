@@ -32,7 +32,7 @@ import torch
 
 from .check import rel_err
 from .report import publish
-from .timing import runs_ms, summary
+from .timing import graphed, runs_ms, summary
 
 MODES = ("prefill", "decode")
 SMOKE = dict(sequences=5, tokens=60, max_len=30, nheads=4, headdim=8, dstate=16, chunk_size=16,
@@ -116,19 +116,7 @@ def peer():
 
 def timed(fn, args, graph: bool) -> dict:
     """Eager (or, with graph, CUDA-graph replayed) time of fn() in ms."""
-    dev = args.device
-    if not graph:
-        return summary(runs_ms(fn, dev, args.runs, args.warmup))
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return summary(runs_ms(g.replay, dev, args.runs, args.warmup))
+    return summary(runs_ms(graphed(fn) if graph else fn, args.device, args.runs, args.warmup))
 
 
 def prefill(args, peer_fns) -> dict:

@@ -61,5 +61,20 @@ def runs_ms(fn, device, runs: int, warmup: int) -> list:
     return times
 
 
+def graphed(fn):
+    """Capture fn in a CUDA graph (after a warm-up on a side stream: kernels compiled, allocator warmed outside the
+    capture) and return its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def summary(times) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "runs_ms": times}
