@@ -241,23 +241,22 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     runtime.launch((n_rblocks * nb, g, b), hinted_kernel("chunk_cb", dtype_name(mma_dtype), L),
                    (Ck, Bk, cb, n, kc["L"], kc["BL"], kc["TN"], kc["DIAG"]))
 
-    # g_x, and per headdim tile dx_sums[0] = dt's gradient, dx_sums[1] = the column parts of dA_cumsum's
-    # intra-chunk gradient (both zero past the last block the grid covers).
+    # g_x, and per headdim tile dt's gradient (zero past the last block the grid covers).
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
                 else dummy(x, torch.float32, 4))
-    dx_sums = torch.zeros((2, b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
+    g_dt_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     runtime.launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
-                   (G, dtk, csk, cb, seq, xk, d_per_channel(D, h, p, x), g_x, g_D_part, dx_sums[0],
-                    dx_sums[1], T, h, h // g, n_ptiles, int(D is not None), *consts3))
+                   (G, dtk, csk, cb, seq, xk, d_per_channel(D, h, p, x), g_x, g_D_part, g_dt_part,
+                    T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
-    # dCB and the row parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head); the slots
-    # of p_cs that no pair writes stay zero.
-    p_cs = torch.zeros((b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
+    # dCB and the row and column parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head);
+    # the slots of p_cs and p_cs_col that no pair writes stay zero.
+    p_cs = torch.zeros((2, b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
     n_split = dcbw_split(b * cdiv(n_rblocks * (nb + 1), 2) * g, h // g, dev)
     g_cb_part = torch.empty((b, n_split, nchunks, g, L, L), dtype=torch.float32, device=dev)
     runtime.launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
-                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs, T, g, h // g, n_ptiles, n_split, *consts3))
+                   (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs[0], p_cs[1], T, g, h // g, n_ptiles, n_split, *consts3))
     g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
@@ -279,9 +278,8 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
         else:
             g_D = g_D_part.sum((0, 1))  # (h, p)
         g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
-    g_dt, g_cs_col = dx_sums.sum(3)  # (b, h, nchunks * L) each
-    g_dt = g_dt.view(b, h, nchunks, L).to(dt_out.dtype)
-    g_cs = p_cs.sum(2) + g_cs_col
+    g_dt = g_dt_part.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
+    g_cs = p_cs.sum((0, 3))
     g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
     g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.

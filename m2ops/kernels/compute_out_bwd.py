@@ -9,20 +9,22 @@ i_l = exp(cs_l) where token l belongs to the entering state's sequence. Gradient
            dt_s = rowsum(x_j A_j)_s                                     out_bwd_dx_kernel      (column block,
                                                                                                head, headdim tile)
     V_mj   = (G_m x_j^T) decay;  dCB_mj = sum over the group's heads of V dt_s;  with T = V CB:
-           cs_l += rowsum(T dt)                                         out_bwd_dcbw_kernel    (row block,
+           cs_l += rowsum(T dt),  cs_s -= colsum(T dt)                  out_bwd_dcbw_kernel    (row block,
                                                                                                column block, group,
                                                                                                head split)
-           cs_s -= colsum(T dt) = dt_s times dt's gradient, from out_bwd_dx (each token's own term, which cancels
-           between the row and the column sums, left out of both)
+           (each token's own term, which cancels between the two sums, left out of both)
     GS_m   = G_m S (per head);  dC_m = sum_j dCB_mj B_j + sum_r i_m GS_m;  cs_l += i_l rowsum(C_m GS_m);
            dB_j = sum_m dCB_mj^T C_m                                    out_bwd_dcdb_kernel    (row block, group,
                                                                                                dstate tile)
     dS_c   = sum_m (i_m G_m)^T C_m                                      out_bwd_dstates_kernel (chunk, head,
                                                                                                headdim, dstate tiles)
 
-dt's gradient is sum over l of T (the column sums), and sum_l T_ls = sum_p x_sp (sum_l (CB decay)_ls G_lp): the
-product of x with out_bwd_dx's accumulator before its factor dt_s, a (BL, TP) reduction per program there instead
-of a (BL, BL) column sum per pair and head in out_bwd_dcbw, the busiest kernel of the backward.
+dt's gradient is sum over l of T too, and sum_l T_ls = sum_p x_sp (sum_l (CB decay)_ls G_lp): the product of x
+with out_bwd_dx's accumulator before its factor dt_s. dA_cumsum's column sums are nevertheless formed in
+out_bwd_dcbw, from the same float32 tile as its row sums: the two halves of every pair's term cancel to within a
+few ulps there, where out_bwd_dx's accumulator, from the bfloat16-rounded CB decay, left about 2e-3 of each half
+uncancelled, and g_A and g_dt_bias, sums over the row and column parts that are each ~100x the result, 5e-2 to
+1e-1 off a float64 reference (emulated at b2 T2048 h16 g2 p64 n128 chunk 256: g_A 1.1e-1 -> 2.2e-3).
 
 G_m x_j^T is formed once per (pair of blocks, head) and serves dA_cumsum and dCB; G_m S once per (block,
 head) and serves dC and dA_cumsum. Below the diagonal block the decay factorises through a reference token p
@@ -31,7 +33,8 @@ between the blocks (the last of block j): exp(cs_l - cs_s) = exp(cs_l - cs_p) ex
 
 Sums that several programs contribute to are written to zero-initialised buffers with one slot per writer and
 summed by the launcher: for dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a token of block q gets them from
-pair (q, k) in slot k <= q; the slots above q stay zero; dt per headdim tile; dCB per head split; the
+pair (q, k) in slot k <= q; the slots above q stay zero; its column parts likewise, a token of block k from pair
+(q, k) in slot q >= k; dt per headdim tile; dCB per head split; the
 inter-chunk part of dA_cumsum per dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) the products with
 G run in bfloat16: G x^T exactly as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or
 i-weighted operands (r CB, CB decay, S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's
@@ -83,7 +86,7 @@ def _g_rows(G, b, row, h, pt, BL, TP, LOWP):
 
 @ct.kernel
 def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big, x: Big, D, g_x: Big,
-                      g_D_part: Big, g_dt_part: Big, g_cs_col_part: Big,
+                      g_D_part: Big, g_dt_part: Big,
                       seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, has_d: int,
                       L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
@@ -116,9 +119,7 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
         gm = _g_rows(G, b, c * nb + m, h, pt, BL, TP, LOWP)
         acc = ct.mma(_op(ct.transpose(cbt * r[:, None]), LOWP), _op(gm, LOWP), acc)
     acc = acc * ct.exp(cs_p - cs_j)[:, None]
-    # The diagonal block, decay per element, below its diagonal first: dt's gradient without each token's own
-    # term is what dA_cumsum's column sums need (its own term cancels against its row sum in out_bwd_dcbw,
-    # which leaves it out as well, so that it cancels exactly, as in the reference).
+    # The diagonal block, decay per element, below its diagonal first, then each token's own term.
     rows = ct.arange(BL, dtype=ct.int32)
     below = rows[:, None] > rows[None, :]
     if HAS_SEQ:
@@ -129,9 +130,8 @@ def out_bwd_dx_kernel(G: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big
     cb_ss = ct.sum(ct.where(rows[:, None] == rows[None, :], cbt, 0.0), axis=1)  # each token's own C.B
     acc = ct.mma(_op(ct.transpose(cbt * diag_decay(cs_j, below)), LOWP), _op(gj, LOWP), acc)
     # acc = sum_m (CB decay)_mj^T G_m without the diagonal, the gradient of x_j before the factor dt_s; its
-    # product with x_j is dt's gradient (T's column sums), so out_bwd_dcbw need not form them.
+    # product with x_j is dt's gradient.
     g_dt_below = ct.sum(xj.astype(ct.float32) * acc, axis=1)
-    ct.store(g_cs_col_part, (b, h, pt, rb), (0.0 - dt_j * g_dt_below).reshape((1, 1, 1, BL)))
     # Each token's own term (decay 1): CB_ss G_s.
     g_own = ct.sum(xj.astype(ct.float32) * gj.astype(ct.float32), axis=1)
     ct.store(g_dt_part, (b, h, pt, rb), (g_dt_below + cb_ss * g_own).reshape((1, 1, 1, BL)))
@@ -168,9 +168,15 @@ def _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP):
     return _gx_rest(gm, xj, G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
 
 
+def _store_sums(p_cs, p_cs_col, t, b, h, row_slot, rb, col_slot, jrow, BL: int):
+    """T dt's row sums (+, to row block rb's tokens) and column sums (-, to column block jrow's) of a pair."""
+    ct.store(p_cs, (b, h, row_slot, rb), ct.sum(t, axis=1).reshape((1, 1, 1, BL)))
+    ct.store(p_cs_col, (b, h, col_slot, jrow), (0.0 - ct.sum(t, axis=0)).reshape((1, 1, 1, BL)))
+
+
 @ct.kernel
 def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, seq_idx: Big,
-                        g_cb_part: Big, p_cs: Big,
+                        g_cb_part: Big, p_cs: Big, p_cs_col: Big,
                         seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_split: int,
                         L: int, BL: ConstInt, TP: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     # One program per (row block m, column block j, group, head split), j > m idle. A split's heads are
@@ -205,9 +211,8 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 gx = _gx(G, x, b, h, rb, jrow, n_ptiles, BL, TP, LOWP)
                 v = gx * diag_decay(cs_m, keep)
                 vd = v * dt_j[None, :]
-                # Without each token's own term, as out_bwd_dx leaves it out of the column sums.
-                ct.store(p_cs, (b, h, m, rb),
-                         ct.sum(ct.where(below, vd * cbt, 0.0), axis=1).reshape((1, 1, 1, BL)))
+                # Without each token's own term (it cancels between the two sums).
+                _store_sums(p_cs, p_cs_col, ct.where(below, vd * cbt, 0.0), b, h, m, rb, m, rb, BL)
                 acc = acc + vd
         else:
             # decay = r q^T (r_l = exp(cs_l - cs_p), q_s = exp(cs_p - cs_s)): with U = (G_m x_j^T) diag(r),
@@ -222,7 +227,7 @@ def out_bwd_dcbw_kernel(G: Big, x: Big, dt_out: Big, dA_cumsum: Big, cb: Big, se
                 if HAS_SEQ:
                     u = ct.where(keep, u, 0.0)
                 ud = u * qd[None, :]
-                ct.store(p_cs, (b, h, j, rb), ct.sum(ud * cbt, axis=1).reshape((1, 1, 1, BL)))
+                _store_sums(p_cs, p_cs_col, ud * cbt, b, h, j, rb, m, jrow, BL)
                 acc = acc + ud
         ct.store(g_cb_part, (b, sp, c, g, m, j), acc.reshape((1, 1, 1, 1, BL, BL)))
 

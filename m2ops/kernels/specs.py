@@ -172,10 +172,10 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
         return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
-                _a(F32, 4), _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
+                _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcbw":
         return (_a(g_dtype, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(F32, 6), _a(F32, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT)
+                _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dcdb":
         return (_a(g_dtype, 4), _a(F32, 4), _a(dt, 4), _a(dt, 4), _a(state_dtype, 5), _a(I32, 2), _a(F32, 5), _a(dt, 4),
                 _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
