@@ -96,24 +96,18 @@ def id_at(seq_idx, b, t, has_seq):
     return out
 
 
-def u_row(x, hist, seq_idx, taps, br, b, t: int, cb, seqlen, has_init, has_seq, W: int, BC: int):
-    """(1, BC) float32: the pre-activation u at token t (0 <= t < seqlen) from the input rows before it."""
-    me = id_at(seq_idx, b, t, has_seq)
-    acc = br
-    for s in ct.static_iter(range(W)):
-        row = input_row(x, hist, b, t - s, cb, seqlen, has_init, BC)
-        if has_seq != 0:
-            if id_at(seq_idx, b, t - s, has_seq) != me:
-                row = ct.zeros((1, BC), dtype=ct.float32)
-        acc = acc + row * taps[W - 1 - s]
-    return acc
-
-
 def write_head(x, hist, seq_idx, y, taps, br, b, cb, seqlen, has_init, has_seq, act, W: int, BC: int):
     """y at tokens 0 .. HALO-2 (those before seqlen), a row at a time: their taps reach the history."""
     for t in ct.static_iter(range(HALO - 1)):
         if t < seqlen:
-            acc = u_row(x, hist, seq_idx, taps, br, b, t, cb, seqlen, has_init, has_seq, W, BC)
+            me = id_at(seq_idx, b, t, has_seq)
+            acc = br
+            for s in ct.static_iter(range(W)):
+                row = input_row(x, hist, b, t - s, cb, seqlen, has_init, BC)
+                if has_seq != 0:
+                    if id_at(seq_idx, b, t - s, has_seq) != me:
+                        row = ct.zeros((1, BC), dtype=ct.float32)
+                acc = acc + row * taps[W - 1 - s]
             if act != 0:
                 acc = silu(acc)
             ct.store(y, (b, t, cb), acc.astype(y.dtype).reshape((1, 1, BC)))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .common import LOG2E, Big, ConstBool, ConstInt, exp2
-from .conv1d import HALO, bias_row, id_at, input_row, tap_rows_t, u_row
+from .conv1d import HALO, bias_row, id_at, input_row, tap_rows_t
 
 _ZERO = ct.PaddingMode.ZERO
 # Views of x and seq_idx: offsets 0 .. 2*(HALO-1); of g_y: 0 and HALO-1 .. 2*(HALO-1).
@@ -61,7 +61,15 @@ def du_row(x, g_y, hist, seq_idx, taps, br, b, t: int, cb, seqlen, has_init, has
     if t < seqlen:
         du = ct.load(g_y, (b, t, cb), shape=(1, 1, BC), padding_mode=_ZERO).reshape((1, BC)).astype(ct.float32)
         if ACT:
-            du = du * silu_grad(u_row(x, hist, seq_idx, taps, br, b, t, cb, seqlen, has_init, has_seq, W, BC))
+            me = id_at(seq_idx, b, t, has_seq)
+            u = br
+            for s in ct.static_iter(range(W)):
+                row = input_row(x, hist, b, t - s, cb, seqlen, has_init, BC)
+                if has_seq != 0:
+                    if id_at(seq_idx, b, t - s, has_seq) != me:
+                        row = ct.zeros((1, BC), dtype=ct.float32)
+                u = u + row * taps[W - 1 - s]
+            du = du * silu_grad(u)
     return du
 
 
