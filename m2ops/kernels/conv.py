@@ -18,7 +18,6 @@ import torch
 from . import runtime
 from .common import cdiv
 from .conv1d import HALO
-from .conv1d_bwd import VIEWS as BWD_VIEWS
 from .runtime import as_dtype, dense, dtype_name, dummy, param_dtype
 from .specialise import hinted_kernel
 from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
@@ -28,8 +27,8 @@ from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
 # 16-byte loads and stores, 21 KB of shared memory (the weights' and ids' broadcasts).
 CONV_TILE_T = 32
 CONV_TILE_C = 128
-# Backward: x, g_y and seq_idx as shifted views too (conv1d_bwd.py), du recomputed for each of the W shifts. sm_90
-# build (bfloat16, width 4, SiLU, occupancy 2): 128 registers, 488 bytes of stack, 78 KB of shared memory.
+# Backward: fewer tokens per tile (x, g_y, u and du rows with a halo on either side in registers). With SiLU: 128
+# registers at 256 threads without spills, 12-25 KB of shared memory; without: 157-254 registers at 128 threads.
 # Programs walk segments of token tiles so that the partial sums of g_weight and g_bias are few: about
 # CONV_BWD_PROGRAMS_PER_SM programs per SM.
 CONV_BWD_TILE_T = 16
@@ -142,45 +141,28 @@ def _add_final_grad(gx, g_init32, g_final, seq_idx, L: int, W: int):
         g_init32[..., W - 1 - n:] += g[..., S - m - n:S - m]
 
 
-def _padded(t, length: int):
-    """(batch, seqlen, ...) t with zeros appended to length tokens (a copy), or t itself when long enough."""
-    if t.shape[1] >= length:
-        return t
-    out = t.new_zeros((t.shape[0], length, *t.shape[2:]))
-    out[:, :t.shape[1]] = t
-    return out
-
-
 def causal_conv1d_bwd(g_y, g_final, x, weight, bias, seq_idx, initial_states, silu: bool):
     """m2ops::causal_conv1d_bwd on the GPU: (g_x channel-last, g_weight, g_bias, g_initial_states), the absent
     ones empty. One launch, then the sums of the per-program partials (and the final states' gradient, when
-    there are final states). Sequences shorter than the backward's views (BWD_VIEWS tokens) run on a zero-padded
-    copy (g_y = 0 past the end adds nothing)."""
+    there are final states)."""
     b, c, L = x.shape
     W = weight.shape[1]
     k = conv_bwd_constants(W, silu)
-    f32 = torch.float32
-    Lp = max(L, BWD_VIEWS)
-    xcl = _padded(_channel_last(x), Lp)
-    gcl = _padded(_channel_last(as_dtype(g_y, x.dtype)), Lp)
-    ids = _padded(as_dtype(seq_idx, torch.int32), Lp) if seq_idx is not None else None
-    n_tiles, n_ctiles = max(1, cdiv(Lp - (HALO - 1), k["BT"])), cdiv(c, k["BC"])
+    n_tiles, n_ctiles = cdiv(L, k["BT"]), cdiv(c, k["BC"])
     segs, per = backward_segments(b, n_ctiles, n_tiles, x.device)
-    gxcl = torch.empty((b, Lp, c), dtype=x.dtype, device=x.device)
+    f32 = torch.float32
+    g_x = conv_output(x)
     g_w_part = torch.empty((b * segs, W, c), dtype=f32, device=x.device)
     g_b_part = torch.empty((b * segs, c), dtype=f32, device=x.device) if bias is not None else dummy(x, f32, 2)
     g_hist = torch.empty((b, HALO, c), dtype=f32, device=x.device) if initial_states is not None else dummy(x, f32, 3)
     hist = _history(initial_states, x, W) if initial_states is not None else dummy(x, f32, 3)
-    views = range(BWD_VIEWS)
-    id_views = tuple(ids[:, d:] for d in views) if ids is not None else (dummy(x, torch.int32, 2),) * BWD_VIEWS
     kernel = hinted_kernel("causal_conv1d_bwd", dtype_name(x.dtype), 0)
     runtime.launch((segs, n_ctiles, b), kernel,
-                   (*(xcl[:, d:] for d in views), gcl, *(gcl[:, d:] for d in views[HALO - 1:]), *id_views,
-                    taps_by_row(weight), _optional(bias, f32, x, 1), hist,
-                    gxcl, gxcl[:, HALO - 1:], g_w_part, g_b_part, g_hist,
-                    Lp, per, segs, int(bias is not None), int(seq_idx is not None), int(initial_states is not None),
+                   (_channel_last(x), _channel_last(as_dtype(g_y, x.dtype)), as_dtype(weight, f32),
+                    _optional(bias, f32, x, 1), _optional(seq_idx, torch.int32, x, 2), hist,
+                    g_x.transpose(1, 2), g_w_part, g_b_part, g_hist,
+                    L, per, segs, int(bias is not None), int(seq_idx is not None), int(initial_states is not None),
                     k["W"], k["BT"], k["BC"], k["ACT"]))
-    g_x = gxcl[:, :L].transpose(1, 2) if Lp == L else gxcl[:, :L].contiguous().transpose(1, 2)
     # (.to() of a tensor already in the dtype returns it as it is: hence contiguous() before it)
     g_init32 = g_hist[:, HALO - (W - 1):, :].transpose(1, 2).contiguous() if initial_states is not None else None
     if g_final.shape[-1] > 0:

@@ -30,9 +30,44 @@ from .common import Big, ConstInt, silu
 
 _ZERO = ct.PaddingMode.ZERO
 
-# Taps of width up to HALO reach HALO-1 tokens back: the views are offset by up to HALO-1 tokens (the backward's by
-# twice that), and the history the launcher lays out from initial_states has HALO rows (a power-of-two tile).
+# Tokens of history a tile carries before its first token: the taps of width up to 4 reach 3 back, and a tile
+# of 4 rows keeps the shapes powers of two (the backward's halo after a tile is as long).
 HALO = 4
+
+
+# ---- token rows of a tile (shared with conv1d_bwd.py) ----
+
+def rows_of(t, n, BC):
+    """The n token rows of a (n, BC) tile, as a tuple of (1, BC) tiles (compile-time)."""
+    rows = ()
+    for j in ct.static_iter(range(n)):
+        rows += (ct.extract(t, (j, 0), (1, BC)),)
+    return rows
+
+
+def ids_of(t, n):
+    """The n entries of a (n,) tile, as a tuple of (1,) tiles (compile-time)."""
+    out = ()
+    for j in ct.static_iter(range(n)):
+        out += (ct.extract(t, (j,), (1,)),)
+    return out
+
+
+def stack(rows):
+    """The rows (a power-of-two count of equal tiles) concatenated along axis 0, pairwise."""
+    level = rows
+    for _ in ct.static_iter(range(len(rows).bit_length() - 1)):
+        nxt = ()
+        for p in ct.static_iter(range(len(level) // 2)):
+            nxt += (ct.cat((level[2 * p], level[2 * p + 1]), 0),)
+        level = nxt
+    return level[0]
+
+
+def tap_rows(weight, cb, W: int, BC: int):
+    """weight[:, k] of the channel tile for k < W, as (1, BC) float32 rows (weight is float32 (channels, W))."""
+    wt = ct.transpose(ct.load(weight, (cb, 0), shape=(BC, HALO), padding_mode=_ZERO))
+    return rows_of(wt, HALO, BC)[:W]
 
 
 def bias_row(bias, cb, has_bias, BC: int):
@@ -40,6 +75,45 @@ def bias_row(bias, cb, has_bias, BC: int):
     if has_bias != 0:
         br = ct.load(bias, (cb,), shape=(BC,), padding_mode=_ZERO).reshape((1, BC))
     return br
+
+
+def halo_before(x, hist, b, i, cb, has_init, BT: int, BC: int):
+    """(HALO, BC) float32: the HALO tokens before token tile i. For tile 0, hist: the history as the launcher lays
+    it out, float32 (batch, HALO, channels) with the W-1 entries of initial_states last (zeros before them), or
+    zeros. (A (1, HALO, BC) load either way: both branches get one register layout, where building tile 0's halo
+    from rows made tileiras convert it through shared memory.)"""
+    h = ct.zeros((HALO, BC), dtype=ct.float32)
+    if i > 0:
+        h = ct.load(x, (b, i * (BT // HALO) - 1, cb), shape=(1, HALO, BC),
+                    padding_mode=_ZERO).reshape((HALO, BC)).astype(ct.float32)
+    else:
+        if has_init != 0:
+            h = ct.load(hist, (b, 0, cb), shape=(1, HALO, BC), padding_mode=_ZERO).reshape((HALO, BC))
+    return h
+
+
+def ids_tile(seq_idx, b, i, has_seq, BT: int):
+    """(BT,) int32 sequence ids of token tile i (zeros without seq_idx)."""
+    ids = ct.zeros((BT,), dtype=ct.int32)
+    if has_seq != 0:
+        ids = ct.load(seq_idx, (b, i), shape=(1, BT), padding_mode=_ZERO).reshape((BT,))
+    return ids
+
+
+def ids_before(seq_idx, b, i, has_seq, BT: int):
+    """(HALO,) int32 ids of the HALO tokens before tile i: the history's are 0."""
+    ids = ct.zeros((HALO,), dtype=ct.int32)
+    if has_seq != 0:
+        if i > 0:
+            ids = ct.load(seq_idx, (b, i * (BT // HALO) - 1), shape=(1, HALO), padding_mode=_ZERO).reshape((HALO,))
+    return ids
+
+
+def shifted(rows, ids, start: int, ids_out, n: int):
+    """The n rows from start, with the rows whose id differs from ids_out (the ids of the tokens they are combined
+    with) zeroed: one tap's operand."""
+    same = stack(ids[start:start + n]) == ids_out
+    return ct.where(same[:, None], stack(rows[start:start + n]), 0.0)
 
 
 def last_id(seq_idx, b, seqlen, has_seq):
@@ -69,11 +143,14 @@ def final_row(x, hist, seq_idx, b, t, cb, seqlen, has_init, has_seq, last, BC: i
 
 def write_final_states(x, hist, seq_idx, final, b, cb, seqlen, state_len, has_init, has_seq, BC: int):
     """final ((batch, state_len, channels), channel-last) of batch row b, channel tile cb: the inputs at tokens
-    seqlen - state_len .. seqlen - 1, a row at a time."""
+    seqlen - state_len .. seqlen - 1, in blocks of HALO rows (the last one clipped)."""
     last = last_id(seq_idx, b, seqlen, has_seq)
-    for r in range(state_len):
-        row = final_row(x, hist, seq_idx, b, seqlen - state_len + r, cb, seqlen, has_init, has_seq, last, BC)
-        ct.store(final, (b, r, cb), row.astype(final.dtype).reshape((1, 1, BC)))
+    for jb in range(ct.cdiv(state_len, HALO)):
+        rows = ()
+        for r in ct.static_iter(range(HALO)):
+            t = seqlen - state_len + jb * HALO + r
+            rows += (final_row(x, hist, seq_idx, b, t, cb, seqlen, has_init, has_seq, last, BC),)
+        ct.store(final, (b, jb, cb), stack(rows).astype(final.dtype).reshape((1, HALO, BC)))
 
 
 def input_row(x, hist, b, t, cb, seqlen, has_init, BC: int):

@@ -205,9 +205,9 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "causal_conv1d":  # x as four shifted views, seq_idx likewise; y and its shifted view
         return (*(_a(dt, 3),) * 4, _a(F32, 2), _a(F32, 1), *(_a(I32, 2),) * 4, _a(F32, 3), *(_a(dt, 3),) * 3,
                 *(_INT,) * 6)
-    if kernel_name == "causal_conv1d_bwd":  # x as seven shifted views, g_y as five, seq_idx as seven; g_x twice
-        return (*(_a(dt, 3),) * 12, *(_a(I32, 2),) * 7, _a(F32, 2), _a(F32, 1), _a(F32, 3), _a(dt, 3), _a(dt, 3),
-                _a(F32, 3), _a(F32, 2), _a(F32, 3), *(_INT,) * 6)
+    if kernel_name == "causal_conv1d_bwd":
+        return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(F32, 3),
+                _a(F32, 2), _a(F32, 3), *(_INT,) * 6)
     if kernel_name == "causal_conv1d_update":  # state_dtype: conv_state's
         return (_a(dt, 2), _a(state_dtype, 3), _a(param_dtype, 2), _a(param_dtype, 1), _a(I32, 1), _a(dt, 2),
                 *(_INT,) * 5)
