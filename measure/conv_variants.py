@@ -6,8 +6,6 @@ x is the layer's: a (batch, channels, seqlen) transposed view of a slice of a wi
 buffer (the input projection's output); width 4, bias, SiLU. Variants: the package's choice, then
 CONV_TILE_T x CONV_TILE_C (harness.constants) and the occupancy hint (harness.hints). Times: harness.median_ms
 (L2 flushed, median of 50); y compared with the package's choice (rel_err). Ends with the bandwidth bound.
-With --backward, the backward op (m2ops.ops.causal_conv1d_bwd: g_x, g_weight, g_bias) likewise under
-CONV_BWD_TILE_T x CONV_BWD_TILE_C.
 """
 
 from __future__ import annotations
@@ -24,10 +22,6 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--channels", type=int, default=5376)
-    ap.add_argument("--backward", action="store_true", help="time the backward op instead")
-    ap.add_argument("--tiles", default=None,
-                    help="BTxBC,... tilings to try beside the package's (default: a built-in list; '' for none)")
-    ap.add_argument("--occupancy", default="table,2", help="occupancy hints to try per tiling (table: the package's)")
     harness.add_json(ap)
     args = ap.parse_args()
     b, L, C = args.batch, args.seqlen, args.channels
@@ -36,12 +30,7 @@ def main():
     w = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16) * 0.3
     bias = torch.randn(C, device="cuda", dtype=torch.bfloat16)
 
-    g_y = torch.randn(b, L, C, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # channel-last, as the layer's
-    g_final = x.new_zeros((b, C, 0))
-
     def call():
-        if args.backward:
-            return m2ops.ops.causal_conv1d_bwd(g_y, g_final, x, w, bias, None, None, True)[0]
         return m2ops.causal_conv1d_fn(x, w, bias, activation="silu")
 
     ref = call()
@@ -58,20 +47,12 @@ def main():
         print(f"{name:40s} {ms:8.3f} ms  err {rows[-1]['rel_err']:.2e}", flush=True)
 
     row("package")
-    name, t_name, c_name = (("causal_conv1d_bwd", "CONV_BWD_TILE_T", "CONV_BWD_TILE_C") if args.backward else
-                            ("causal_conv1d", "CONV_TILE_T", "CONV_TILE_C"))
-    tiles = (((16, 128), (8, 1024), (16, 1024), (8, 512)) if args.backward else
-             ((32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (128, 64), (32, 256)))
-    if args.tiles is not None:
-        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
-    occs = [None if o == "table" else int(o) for o in args.occupancy.split(",")]
-    for bt, bc in tiles:
-        for occ in occs:
-            with harness.constants(**{t_name: bt, c_name: bc}), \
-                    harness.hints({} if occ is None else {name: {"occupancy": occ}}):
+    for bt, bc in ((32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (128, 64), (32, 256)):
+        for occ in (None, 2):
+            with harness.constants(CONV_TILE_T=bt, CONV_TILE_C=bc), \
+                    harness.hints({} if occ is None else {"causal_conv1d": {"occupancy": occ}}):
                 row(f"BT={bt} BC={bc} occupancy={occ or 'table'}")
-    arrays = 3 if args.backward else 2  # x, g_y read and g_x written; x read and y written
-    print(f"bandwidth bound at 3.35 TB/s: {arrays * b * L * C * 2 / 3.35e12 * 1e3:.3f} ms")
+    print(f"bandwidth bound at 3.35 TB/s: {2 * b * L * C * 2 / 3.35e12 * 1e3:.3f} ms")
     harness.write_json(args.json, rows)
 
 

@@ -59,14 +59,10 @@ class _Emu:
 
     def __init__(self):
         self.bids = (0, 0, 0)
-        self.grid = (1, 1, 1)
 
     # ---- program ids ----
     def bid(self, axis):
         return self.bids[axis]
-
-    def num_blocks(self, axis):
-        return self.grid[axis]
 
     # ---- memory ----
     @staticmethod
@@ -237,7 +233,7 @@ class _Emu:
 def run(kernel, grid, args, emu: _Emu):
     """Every program of grid (x, y, z) on the kernel's Python body, in grid order."""
     fn = kernel._pyfunc
-    gx, gy, gz = emu.grid = (tuple(grid) + (1, 1))[:3]
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     for emu.bids in [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]:
         fn(*args)
 

@@ -22,9 +22,11 @@ from .runtime import as_dtype, dense, dtype_name, dummy, param_dtype
 from .specialise import hinted_kernel
 from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
 
-# Forward: (BT tokens, BC channels) per program, each tap a (BT, BC) load of a shifted view of x (conv1d.py). The
-# sm_90 build (bfloat16, width 4, occupancy 4, with the channel axis a multiple of 16 as at run time): 128 registers,
-# 16-byte loads and stores, 21 KB of shared memory (the weights' and ids' broadcasts).
+# Forward: (BT tokens, BC channels) per program. BC = 128 channels: one channel per thread of a 128-thread build,
+# 256-byte rows of bfloat16; BT = 32 tokens (and the 4-token halo) in that thread's registers. The sm_90 builds at the
+# table's occupancy (specialise.py), widths 2-4: 113-122 registers (16-bit; float16 width 4 spills 52 bytes),
+# 143-145 (float32), 3-5 KB of shared memory (ptxas -v as measure/kernel_resources.py reads it, with 16-byte-aligned
+# arrays as at run time; not yet timed on a GPU).
 CONV_TILE_T = 32
 CONV_TILE_C = 128
 # Backward: fewer tokens per tile (x, g_y, u and du rows with a halo on either side in registers). With SiLU: 128
@@ -79,21 +81,6 @@ def _optional(t, dtype, like, ndim):
     return as_dtype(t, dtype) if t is not None else dummy(like, dtype, ndim)
 
 
-def _shifted_views(t, seqlen: int):
-    """The HALO views of a (batch, seqlen, ...) tensor the forward reads, view s starting HALO-1-s tokens in (the
-    last is t itself). With seqlen < HALO the main tiles are skipped and t stands in for each."""
-    if seqlen < HALO:
-        return (t,) * HALO
-    return tuple(t[:, HALO - 1 - s:] for s in range(HALO))
-
-
-def taps_by_row(weight):
-    """weight (channels, W) as float32 (W, channels), a tap per row (the kernels read a tap as one row)."""
-    c, w = weight.shape
-    out = torch.empty((w, c), dtype=torch.float32, device=weight.device)
-    return out.copy_(weight.t())
-
-
 def causal_conv1d(x, weight, bias, seq_idx, initial_states, silu: bool, final_state_len: int):
     """m2ops::causal_conv1d on the GPU: (y channel-last like meta.conv1d.conv_output, final states (b, c, S)
     contiguous in x's dtype). One launch (plus the small conversions above); no host synchronisation."""
@@ -104,13 +91,10 @@ def causal_conv1d(x, weight, bias, seq_idx, initial_states, silu: bool, final_st
     y = conv_output(x)
     fin = torch.empty((b, S, c), dtype=x.dtype, device=x.device) if S > 0 else dummy(x, x.dtype, 3)
     hist = _history(initial_states, x, W) if initial_states is not None else dummy(x, torch.float32, 3)
-    xs = _shifted_views(_channel_last(x), L)
-    ids = _shifted_views(as_dtype(seq_idx, torch.int32), L) if seq_idx is not None else (dummy(x, torch.int32, 2),) * HALO
-    ycl = y.transpose(1, 2)
     kernel = hinted_kernel("causal_conv1d", dtype_name(x.dtype), 0)
-    runtime.launch((max(1, cdiv(L - (HALO - 1), k["BT"])), cdiv(c, k["BC"]), b), kernel,
-                   (*xs, taps_by_row(weight), _optional(bias, torch.float32, x, 1), *ids, hist,
-                    ycl, _shifted_views(ycl, L)[0], fin,
+    runtime.launch((cdiv(L, k["BT"]), cdiv(c, k["BC"]), b), kernel,
+                   (_channel_last(x), as_dtype(weight, torch.float32), _optional(bias, torch.float32, x, 1),
+                    _optional(seq_idx, torch.int32, x, 2), hist, y.transpose(1, 2), fin,
                     L, int(bias is not None), int(seq_idx is not None), int(initial_states is not None),
                     int(bool(silu)), S, k["W"], k["BT"], k["BC"]))
     final = fin.transpose(1, 2).contiguous() if S > 0 else x.new_empty((b, c, 0))

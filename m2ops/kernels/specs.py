@@ -202,9 +202,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "gated_norm_bwd":
         return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _a(dt, 3), _a(dt, 3),
                 _a(F32, 3), _a(F32, 3), _INT, _INT, _FLOAT, _INT, _INT, _INT)
-    if kernel_name == "causal_conv1d":  # x as four shifted views, seq_idx likewise; y and its shifted view
-        return (*(_a(dt, 3),) * 4, _a(F32, 2), _a(F32, 1), *(_a(I32, 2),) * 4, _a(F32, 3), *(_a(dt, 3),) * 3,
-                *(_INT,) * 6)
+    if kernel_name == "causal_conv1d":
+        return (_a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(dt, 3), *(_INT,) * 6)
     if kernel_name == "causal_conv1d_bwd":
         return (_a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 1), _a(I32, 2), _a(F32, 3), _a(dt, 3), _a(F32, 3),
                 _a(F32, 2), _a(F32, 3), *(_INT,) * 6)
