@@ -41,7 +41,7 @@ step() {
     kernels) run kernels 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu/test_graph_safety.py ;;
     memcheck) run memcheck 200 env "$TEST_TUNING" PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/check_kernels.py --small ;;
     check) run check 240 env "$TEST_TUNING" python tests/gpu/check_kernels.py ;;
-    backward) run backward 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py ;;
+    backward) run backward 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py tests/gpu/test_gradient_accuracy_gpu.py ;;
     state_update) run state_update 120 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_state_update_kernel.py ;;
     layer_ops) run layer_ops 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_conv1d_kernel.py tests/gpu/test_gated_norm_kernel.py tests/gpu/test_layer_mem_eff_gpu.py tests/gpu/test_varlen_serving_gpu.py ;;
     models) run models 420 env "$TEST_TUNING" python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;

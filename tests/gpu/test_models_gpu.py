@@ -18,8 +18,8 @@ said otherwise):
 - compiled against eager, both bfloat16. Inductor fuses the elementwise work and rounds to bfloat16 at other
   places than eager does, so the two are not bitwise equal: each is a bfloat16 approximation of the float32
   result. The test asserts that the compiled result is as close to float32 as eager is (at most 1.5x eager's
-  own error plus 5e-3), and that the two are within BF16_TOL of each other (gradients: 1.5x that; on the CPU
-  eager's gradients of dt_bias and A_log are 9e-3 from float32, the others 5e-3).
+  own error plus 5e-3), and that the two are within BF16_TOL of each other (gradients: 1.5x that, dt_bias's and
+  A_log's 1e-2; on the CPU eager's gradients of dt_bias and A_log are 9e-3 from float32, the others 5e-3).
 - decoding against one forward, both bfloat16: the recurrence and the chunked scan round differently (on the
   CPU: 5e-3 per decoded token), so BF16_TOL per token; the final float32 states within BF16_TOL.
 - CUDA graph against eager decoding: the same kernels on the same data, so (nearly) bitwise; the bound 1e-2
@@ -157,12 +157,11 @@ def test_layer_compile_fullgraph_forward_backward_bf16(reset_dynamo):
         err_compiled = rel_err(compiled[k].float(), want)
         assert err_compiled <= 1.5 * err_eager + 5e-3, \
             f"{k}: compiled is {err_compiled:.3e} from float32, eager {err_eager:.3e}"
-        # The gradients of the per-head parameters (dt_bias, A_log) are sums over every token whose terms cancel:
-        # two bfloat16 runs that round the layer's other ops differently (inductor's fusions) differed by 7e-2
-        # normwise in dt_bias's on the H200, each passing the check above against the float32 layer.
-        if k in ("grad of dt_bias", "grad of A_log"):
-            continue
-        assert_rel(compiled[k], eager[k], BF16_TOL if k == "output" else 1.5 * BF16_TOL, f"{k}, compiled vs eager")
+        # The gradients of the per-head parameters (dt_bias, A_log) are sums over every token of terms that cancel
+        # ~100x; before dA_cumsum's column sums came from the same float32 tile as its row sums (out_bwd_dcbw),
+        # the two routes' different roundings left them 4e-2 to 7e-2 apart. Now within 1e-2.
+        tol = 1e-2 if k in ("grad of dt_bias", "grad of A_log") else BF16_TOL if k == "output" else 1.5 * BF16_TOL
+        assert_rel(compiled[k], eager[k], tol, f"{k}, compiled vs eager")
 
 
 @pytest.mark.parametrize("name", list(LAYER_CONFIGS))
