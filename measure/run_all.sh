@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, each step under its own time limit, results under ${OUT:-gpu-results}/.
 # Usage (on the GPU machine, after `source .device/env.sh`):  bash measure/run_all.sh [step ...]
-# Steps: kernels memcheck check backward state_update layer_ops models model_bench profile (default: all, in order),
+# Steps: kernels memcheck check backward state_update conv_ops norm_ops layer_serving models model_bench profile
+# (default: all, in order; layer_ops: the three between state_update and models in one step),
 # and on request: check64 memcheck64 kernels64 (the same with the 64-bit-indexed kernels only, M2OPS_INDEX32=0),
 # variants (measure/variants_scan.py), family_bench (every transformers family, m2ops.bench.model --family all),
 # backward_memcheck, profile_table (docs/profiling.md's table),
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 parallel=0
 [ "${1:-}" = "--parallel" ] && { parallel=1; shift; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernels memcheck check backward state_update layer_ops models model_bench profile)
+[ ${#steps[@]} -eq 0 ] && steps=(kernels memcheck check backward state_update conv_ops norm_ops layer_serving models model_bench profile)
 TEST_TUNING="M2OPS_TUNING_CACHE=${TMPDIR:-/tmp}/m2ops-gpu-tests-tuning.json"
 
 run() {  # name, seconds, command...
@@ -43,7 +44,13 @@ step() {
     check) run check 240 env "$TEST_TUNING" python tests/gpu/check_kernels.py ;;
     backward) run backward 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_backward_kernels.py tests/gpu/test_gradient_accuracy_gpu.py ;;
     state_update) run state_update 120 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_state_update_kernel.py ;;
-    layer_ops) run layer_ops 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_conv1d_kernel.py tests/gpu/test_gated_norm_kernel.py tests/gpu/test_layer_mem_eff_gpu.py tests/gpu/test_varlen_serving_gpu.py ;;
+    # The layer's op suites, apart so that they can run side by side (--parallel): each hypothesis example of the
+    # convolution's tests may JIT-build new specialisations (dtype, width, SiLU, channel count class), which is
+    # what takes the time there (about 75 s for two examples of forward and backward on an H100).
+    conv_ops) run conv_ops 420 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_conv1d_kernel.py ;;
+    norm_ops) run norm_ops 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gated_norm_kernel.py ;;
+    layer_serving) run layer_serving 300 env "$TEST_TUNING" python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_layer_mem_eff_gpu.py tests/gpu/test_varlen_serving_gpu.py ;;
+    layer_ops) step conv_ops; step norm_ops; step layer_serving ;;
     models) run models 420 env "$TEST_TUNING" python -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_models_gpu.py ;;
     model_bench) run model_bench 240 python -m m2ops.bench.model --out "$OUT/model.json" ;;
     family_bench) run family_bench 580 python -m m2ops.bench.model --family all --out "$OUT/family.json" ;;
