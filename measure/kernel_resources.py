@@ -4,7 +4,13 @@
 
 Each specialisation of m2ops.kernels.specs.all_specs() whose kernel is named (and whose name contains every
 --match string; with --narrow its 32-bit-indexed twin, which the launchers take where the arrays fit) is exported
-to an sm_90 cubin. The cubin carries the PTX tileiras generated (its section
+to an sm_90 cubin, built as the runtime builds it for arrays of the usual sizes: base addresses 16-byte aligned,
+strides (other than the unit one) multiples of 8 elements and every extent a multiple of 16, the facts cuTile
+specialises a launch on (read from the kernel names a profiler shows, e.g. `_6i16_p16`). Those facts decide the
+register layout and the loads: a (32, 128) bfloat16 tile whose channel extent is not known a multiple of 16 is
+loaded 2 bytes at a time, with it as 16-byte vectors (the causal convolution's forward: 142 registers without
+them, 214 with, and 227 KB of shared memory either way). --as-specified builds the signatures of specs.py as they
+are (what the compile test builds). The cubin carries the PTX tileiras generated (its section
 .nv_debug_ptx_txt); with the line-number directives and the source section dropped, the CUDA wheel's own ptxas
 compiles it again with -v, which prints what the kernel uses. --ptx-hash adds a hash of that PTX, so that two
 trees can be compared: the same hash is the same code. Why: tileiras does not report resources, and the GPU
@@ -13,6 +19,7 @@ machine is not always at hand (docs/history.md v37 used this to read compute_out
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -21,7 +28,7 @@ import struct
 import subprocess
 import tempfile
 
-from cuda.tile.compilation import export_kernel
+from cuda.tile.compilation import ArrayConstraint, export_kernel
 
 import harness  # first of the local imports: it puts the repository on sys.path
 
@@ -61,10 +68,23 @@ def ptxas():
     return os.path.join(list(nvidia.cu13.__path__)[0], "bin", "ptxas")
 
 
-def resources(spec) -> tuple[str, str]:
+def runtime_like(signature):
+    """The signature with every array as a launch usually sees it: 16-byte aligned, strides multiples of 8
+    elements, extents multiples of 16."""
+    def arr(c):
+        if not isinstance(c, ArrayConstraint):
+            return c
+        unit = tuple(v == 1 for v in (c.stride_constant or (None,) * c.ndim))
+        return dataclasses.replace(c, base_addr_divisible_by=16, shape_divisible_by=(16,) * c.ndim,
+                                   stride_divisible_by=tuple(1 if u else 8 for u in unit))
+    return dataclasses.replace(signature, parameters=[arr(c) for c in signature.parameters])
+
+
+def resources(spec, as_specified: bool = False) -> tuple[str, str]:
     """(ptxas -v's summary line, hash of the cleaned PTX) of one specialisation."""
     buf = io.BytesIO()
-    export_kernel(spec.kernel, [spec.signature()], buf, gpu_code="sm_90", output_format="cubin")
+    sig = spec.signature() if as_specified else runtime_like(spec.signature())
+    export_kernel(spec.kernel, [sig], buf, gpu_code="sm_90", output_format="cubin")
     ptx = clean_ptx(elf_section(buf.getvalue(), ".nv_debug_ptx_txt").decode(errors="replace"))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
@@ -75,10 +95,11 @@ def resources(spec) -> tuple[str, str]:
     report = out.stdout + out.stderr
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     regs = re.search(r"Used (\d+) registers", report)
+    smem = re.search(r"(\d+) bytes smem", report)
     if not (frame and regs):
         return f"ptxas: {report.strip()[-300:]}", ""
     summary = (f"{regs.group(1)} registers, {frame.group(1)} B stack, {frame.group(2)} B spill stores, "
-               f"{frame.group(3)} B spill loads")
+               f"{frame.group(3)} B spill loads, {smem.group(1) if smem else 0} B shared memory")
     return summary, hashlib.sha1(ptx.encode()).hexdigest()[:12]
 
 
@@ -90,13 +111,15 @@ def main():
     ap.add_argument("--ptx-hash", action="store_true")
     ap.add_argument("--narrow", action="store_true",
                     help="the 32-bit-indexed twins instead (what the launchers take where the arrays fit)")
+    ap.add_argument("--as-specified", action="store_true",
+                    help="build specs.py's signatures as they are, without the run-time facts")
     args = ap.parse_args()
     names, match = set(args.kernels), args.match
     for spec in all_specs():
         if spec.narrow != args.narrow or spec.kernel_name not in names or not all(m in spec.name for m in match):
             continue
         try:
-            summary, digest = resources(spec)
+            summary, digest = resources(spec, args.as_specified)
         except Exception as e:  # noqa: BLE001 - reported per specialisation
             summary, digest = f"failed: {e!r}"[:300], ""
         print(f"{spec.name}: {summary}" + (f"  ptx {digest}" if args.ptx_hash else ""), flush=True)

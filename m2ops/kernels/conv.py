@@ -22,17 +22,16 @@ from .runtime import as_dtype, dense, dtype_name, dummy, param_dtype
 from .specialise import hinted_kernel
 from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
 
-# Forward: (BT tokens, BC channels) per program. BC = 128 channels: one channel per thread of a 128-thread build,
-# 256-byte rows of bfloat16; BT = 32 tokens (and the 4-token halo) in that thread's registers. The sm_90 builds at the
-# table's occupancy (specialise.py), widths 2-4: 113-122 registers (16-bit; float16 width 4 spills 52 bytes),
-# 143-145 (float32), 3-5 KB of shared memory (ptxas -v as measure/kernel_resources.py reads it, with 16-byte-aligned
-# arrays as at run time; not yet timed on a GPU).
+# Forward: (BT tokens, BC channels) per program, BT = 32 tokens and the 4-token halo. As the runtime builds it
+# (measure/kernel_resources.py; bfloat16, width 4): 214 registers and 227 KB of shared memory, through which the
+# token rows' extracts and concatenations go once loads are 16-byte vectors; 0.945 ms at 8 x 4096 x 5376 on an
+# H100 against a 0.210 ms bound (measure/conv_variants.py, 2026-12-07; mamba_ssm's causal-conv1d: 0.282).
 CONV_TILE_T = 32
 CONV_TILE_C = 128
-# Backward: fewer tokens per tile (x, g_y, u and du rows with a halo on either side in registers). With SiLU: 128
-# registers at 256 threads without spills, 12-25 KB of shared memory; without: 157-254 registers at 128 threads.
-# Programs walk segments of token tiles so that the partial sums of g_weight and g_bias are few: about
-# CONV_BWD_PROGRAMS_PER_SM programs per SM.
+# Backward: fewer tokens per tile (x, g_y, u and du rows with a halo on either side). As the runtime builds it with
+# SiLU (bfloat16, width 4): 255 registers and 4.7 KB of spills at occupancy 2; 0.930 ms at 8 x 4096 x 5376 on an
+# H100 against a 0.316 ms bound (2026-12-07). Programs walk segments of token tiles so that the partial sums of
+# g_weight and g_bias are few: about CONV_BWD_PROGRAMS_PER_SM programs per SM.
 CONV_BWD_TILE_T = 16
 CONV_BWD_TILE_C = 128
 CONV_BWD_PROGRAMS_PER_SM = 4

@@ -214,10 +214,9 @@ _OCCUPANCY_ANY_CHUNK = {
     # the in-place kernel (state_update_inplace.py) is state_update with its state read and written in one array
     ("state_update_inplace", "16bit"): 2,
     ("state_update_inplace", "float32"): 2,
-    # The causal convolution (conv.py), not yet timed: from ptxas -v of the sm_90 builds (as measure/kernel_resources.py
-    # reads them, with 16-byte-aligned arrays as at run time), the hint that takes the unhinted builds (128-255 registers at 256-384 threads) to the
-    # most CTAs without spilling (widths 2-4): forward 113-122 registers at 128 threads (float32 143-145 at 3),
-    # backward with SiLU 128 at 256 threads, update 64.
+    # The causal convolution (conv.py): chosen from ptxas -v of builds that lacked the run-time facts the launches
+    # are specialised on (measure/kernel_resources.py now adds them): as built at run time the forward takes 227 KB
+    # of shared memory (one CTA per SM whatever the hint) and the backward with SiLU spills. Not swept on a GPU.
     ("causal_conv1d", "16bit"): 4,
     ("causal_conv1d", "float32"): 3,
     ("causal_conv1d_bwd", "16bit"): 2,
