@@ -191,22 +191,25 @@ def test_gated_d_gradient_from_float32(D):
     assert rel_err(got, want) <= 1e-5, f"g_D: {rel_err(got, want):.3e}"
 
 
-def test_a_and_dt_bias_gradients_against_float64():
+@pytest.mark.parametrize("seq_idx", [False, True], ids=["one_sequence", "seq_idx"])
+def test_a_and_dt_bias_gradients_against_float64(seq_idx):
     """A's and dt_bias's gradients are sums over every token of dA_cumsum's gradient (times dt), whose row and
     column parts each come to ~100x the result: out_bwd_dcbw forms both parts from one float32 tile so that they
     cancel as in exact arithmetic. The public eager path on the emulator (bfloat16, D, z, dt_bias with softplus,
-    initial state) against the reference in float64 on the same rounded inputs: g_A and g_dt_bias within 1e-2
-    (5.0e-3 and 4.8e-4; the column parts from out_bwd_dx's bfloat16-rounded products gave 4.0e-1 for g_A)."""
+    initial state; one sequence, or three through seq_idx) against the reference in float64 on the same rounded
+    inputs: g_A and g_dt_bias within 1e-2 (one sequence: 5.0e-3 and 4.8e-4; the column parts from out_bwd_dx's
+    bfloat16-rounded products gave 4.0e-1 for g_A)."""
     from m2ops import mamba_chunk_scan_combined
     from m2ops.ops import eager
     case = make_case(batch=1, seqlen=1024, nheads=4, ngroups=1, headdim=64, dstate=64, chunk_size=256,
-                     dtype=torch.bfloat16, D="h", z=True, initial_states=True, device="cpu", seed=0)
+                     dtype=torch.bfloat16, D="h", z=True, initial_states=True, seq_idx=seq_idx, nseqs=3, device="cpu",
+                     seed=0)
     leaves = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
     gen = torch.Generator().manual_seed(0)
     got = {k: case[k].detach().requires_grad_() for k in leaves}
     with emulated_kernels():
         y, fin = eager.scan_combined(got["x"], got["dt"], got["A"], got["B"], got["C"], case["chunk_size"], got["D"],
-                                     got["z"], got["dt_bias"], got["initial_states"], None, case["dt_softplus"],
+                                     got["z"], got["dt_bias"], got["initial_states"], case["seq_idx"], case["dt_softplus"],
                                      *map(float, case["dt_limit"]))
         g_y, g_fin = torch.randn(y.shape, generator=gen).to(y.dtype), torch.randn(fin.shape, generator=gen)
         torch.autograd.backward((y, fin), (g_y, g_fin))
