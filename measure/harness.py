@@ -286,6 +286,37 @@ def kernel_times(fn, reps: int = 10, bucket=None) -> dict:
         return {}
 
 
+def op_sources(fn, reps: int = 5, top: int = 15, frames: int = 3) -> list:
+    """Where the device time outside m2ops's own kernels comes from: the PyTorch ops fn runs, grouped by the Python
+    lines that called them, the top ones by device time per call (CPU time without CUDA), as
+    [{"op", "ms", "count", "stack": [m2ops frames, innermost first]}] (torch profiler with stacks, after one call
+    outside it). For copies and casts whose kernels the kernel table shows only by their ATen names."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # (verbose: without it the events carry no Python frames in torch 2.11)
+    with profile(activities=acts, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages(group_by_stack_n=12):
+        if not ev.key.startswith("aten::"):
+            continue
+        us = (getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)) if cuda \
+            else ev.self_cpu_time_total
+        stack = [f for f in (ev.stack or []) if "m2ops" in f and "measure/" not in f][:frames]
+        if us and stack:
+            rows.append({"op": ev.key, "ms": us / 1000.0 / reps, "count": ev.count // reps, "stack": stack})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
 def graphed(fn):
     """fn captured in a CUDA graph after warm-up calls on a side stream; returns the graph's replay (the
     benchmark's own capture, m2ops.bench.timing.graphed)."""

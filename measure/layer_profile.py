@@ -10,7 +10,8 @@ where causal-conv1d is importable). Modes:
            graph (harness.median_ms of 100 replays);
   forward  layer(u) at --shape, no gradients: each kernel's device time per call (10 calls);
   train    forward and the gradients of u and every parameter at --shape (10 calls).
-The kernels are listed by their profiler names, longest first.
+The kernels are listed by their profiler names, longest first. --sources N adds, per mode, the N PyTorch ops with
+the most device time and the m2ops lines that called them (harness.op_sources): where copies and casts come from.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def layers(d_model, mem_eff):
     return out
 
 
+def sources(name, what, fn, n):
+    """The top n PyTorch ops of fn by device time, with the m2ops lines that called them (printed and returned)."""
+    rows = harness.op_sources(fn, top=n)
+    print(f"\n{name} {what}: PyTorch ops by device time per call, with their m2ops callers")
+    for r in rows:
+        print(f"  {1e3 * r['ms']:10.2f} us  {r['count']:3d}x {r['op']}  <- {' <- '.join(r['stack'])}")
+    return {"impl": name, "what": f"{what} sources", "sources": rows}
+
+
 def report(name, what, kernels, **extra):
     total = sum(kernels.values())
     row = {"impl": name, "what": what, **extra, "kernel_sum_us": 1e3 * total,
@@ -49,7 +59,7 @@ def report(name, what, kernels, **extra):
     return row
 
 
-def profile_step(name, layer, b, d_model):
+def profile_step(name, layer, b, d_model, n_sources=0):
     h = torch.randn(b, 1, d_model, device="cuda", dtype=torch.bfloat16)
     conv, ssm = layer.allocate_inference_cache(b, 1, dtype=torch.bfloat16)
     ssm = ssm.to(torch.bfloat16)
@@ -61,7 +71,8 @@ def profile_step(name, layer, b, d_model):
         kernels = harness.kernel_times(step, reps=50, bucket=lambda s: s[:90])
         replay = harness.graphed(step)
         graph_us = 1e3 * harness.median_ms(replay, runs=100, warmup=10, flush_l2=False)
-    return report(name, f"step batch {b}", kernels, graph_us=graph_us)
+        extra = [sources(name, f"step batch {b}", step, n_sources)] if n_sources and name == "m2ops" else []
+    return [report(name, f"step batch {b}", kernels, graph_us=graph_us), *extra]
 
 
 def main():
@@ -70,6 +81,7 @@ def main():
     ap.add_argument("--batches", type=harness.sizes, default=[1, 64, 256])
     ap.add_argument("--shape", default="8x4096", help="BATCHxSEQLEN of forward and train (default 8x4096)")
     ap.add_argument("--d-model", type=int, default=2560)
+    ap.add_argument("--sources", type=int, default=0, help="also the top N PyTorch ops by device time, with callers")
     harness.add_json(ap)
     args = ap.parse_args()
     rows = []
@@ -77,18 +89,23 @@ def main():
     for name, layer in layers(args.d_model, True).items():
         if "step" in args.modes:
             for batch in args.batches:
-                rows.append(profile_step(name, layer, batch, args.d_model))
+                rows.extend(profile_step(name, layer, batch, args.d_model, args.sources))
         u = torch.randn(b, t, args.d_model, device="cuda", dtype=torch.bfloat16)
         if "forward" in args.modes:
             with torch.no_grad():
                 rows.append(report(name, f"forward {args.shape}", harness.kernel_times(lambda: layer(u), reps=10,
                                                                                       bucket=lambda s: s[:90])))
+                if args.sources and name == "m2ops":
+                    rows.append(sources(name, f"forward {args.shape}", lambda: layer(u), args.sources))
         if "train" in args.modes:
             ug = u.detach().requires_grad_(True)
             params = list(layer.parameters())
             g = torch.randn_like(u)
             rows.append(report(name, f"train {args.shape}", harness.kernel_times(
                 lambda: torch.autograd.grad(layer(ug), [ug, *params], g), reps=10, bucket=lambda s: s[:90])))
+            if args.sources and name == "m2ops":
+                rows.append(sources(name, f"train {args.shape}",
+                                    lambda: torch.autograd.grad(layer(ug), [ug, *params], g), args.sources))
     harness.write_json(args.json, rows)
 
 
