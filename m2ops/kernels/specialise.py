@@ -175,6 +175,7 @@ _OCCUPANCY = {
     # measure/backward_scan.py --shapes 64K:128 --occupancy 2,3,4 (the other choices unchanged by it).
     # out_bwd_dx back at 3 since v13 added dt's gradient and dA_cumsum's column sums to it (more registers):
     # 0.457 -> 0.392 ms at T=16K and 1.811 -> 1.543 at T=64K (4 -> 3; 2: 0.488 / 1.933), same sweep at 7e74629.
+    # Since 7f297af the column sums are out_bwd_dcbw's (accuracy): neither kernel's occupancy swept again yet.
     ("out_bwd_dx", "bfloat16", 64): 3,
     ("out_bwd_dcbw", "bfloat16", 64): 2,
     ("out_bwd_dcdb", "bfloat16", 64): 2,
