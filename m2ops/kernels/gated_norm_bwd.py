@@ -20,6 +20,39 @@ from .gated_norm import sigmoid
 _ZERO = ct.PaddingMode.ZERO
 
 
+def gated_rows(xf, r, do, z, w, bias, dz, rb, g, c, has_z, has_bias, gate_first, BR: int, W: int):
+    """Before the row reduction, for tile (rb, g, c) of W channels: z's tile (zeros without z), n, the normalised
+    rows (times silu(z) with the gate first), and the gradient reaching the norm's output (dy, times silu(z) with
+    the gate last, when dz is stored here)."""
+    zf = ct.zeros((BR, W), dtype=ct.float32)
+    n = xf * r
+    if has_z != 0:
+        zf = ct.load(z, (rb, g, c), shape=(BR, 1, W), padding_mode=_ZERO).reshape((BR, W)).astype(ct.float32)
+        sig = sigmoid(zf)
+        if gate_first != 0:
+            n = n * (zf * sig)
+        else:  # y = o * s: dz from o; the gradient reaching o is dy * s
+            o = n * w
+            if has_bias != 0:
+                o = o + ct.load(bias, (g, c), shape=(1, W), padding_mode=_ZERO).astype(ct.float32)
+            ct.store(dz, (rb, g, c), (do * o * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
+                     .reshape((BR, 1, W)))
+            do = do * (zf * sig)
+    return zf, n, do
+
+
+def gate_first_grad(dh, xf, zf, dz, rb, g, c, has_z, gate_first, BR: int, W: int):
+    """After the row reduction, with the gate first (h = x * s): dz stored, and the gradient reaching x returned
+    (dh as it is otherwise)."""
+    if has_z != 0:
+        if gate_first != 0:
+            sig = sigmoid(zf)
+            ct.store(dz, (rb, g, c), (dh * xf * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
+                     .reshape((BR, 1, W)))
+            dh = dh * (zf * sig)
+    return dh
+
+
 @ct.kernel
 def gated_norm_bwd_kernel(dy: Big, x: Big, z: Big, weight, bias, rstd, dx: Big, dz: Big, dw_part, db_part,
                           n_row_blocks: int, n_programs: int, inv_group_size: float,
@@ -36,30 +69,12 @@ def gated_norm_bwd_kernel(dy: Big, x: Big, z: Big, weight, bias, rstd, dx: Big, 
         r = ct.load(rstd, (g, rb), shape=(1, BR), padding_mode=_ZERO).reshape((BR, 1))
         # Only x and z are kept through the row reduction; silu(z), its derivative and n are recomputed from them
         # where needed (registers, not memory, are what this kernel runs short of).
-        zf = ct.zeros((BR, GS), dtype=ct.float32)
-        n = xf * r
-        if has_z != 0:
-            zf = ct.load(z, (rb, g, 0), shape=(BR, 1, GS), padding_mode=_ZERO).reshape((BR, GS)).astype(ct.float32)
-            sig = sigmoid(zf)
-            if gate_first != 0:
-                n = n * (zf * sig)
-            else:  # y = o * s: dz from o; the gradient reaching o is dy * s
-                o = n * w
-                if has_bias != 0:
-                    o = o + ct.load(bias, (g, 0), shape=(1, GS), padding_mode=_ZERO).astype(ct.float32)
-                ct.store(dz, (rb, g, 0), (do * o * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
-                         .reshape((BR, 1, GS)))
-                do = do * (zf * sig)
+        zf, n, do = gated_rows(xf, r, do, z, w, bias, dz, rb, g, 0, has_z, has_bias, gate_first, BR, GS)
         dw = dw + ct.sum(do * n, axis=0)
         db = db + ct.sum(do, axis=0)
         dn = do * w
         dh = r * (dn - n * (ct.sum(dn * n, axis=1) * inv_group_size)[:, None])
-        if has_z != 0:
-            if gate_first != 0:  # h = x * s
-                sig = sigmoid(zf)
-                ct.store(dz, (rb, g, 0), (dh * xf * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
-                         .reshape((BR, 1, GS)))
-                dh = dh * (zf * sig)
+        dh = gate_first_grad(dh, xf, zf, dz, rb, g, 0, has_z, gate_first, BR, GS)
         ct.store(dx, (rb, g, 0), dh.astype(dx.dtype).reshape((BR, 1, GS)))
     ct.store(dw_part, (p, g, 0), dw.reshape((1, 1, GS)))
     if has_bias != 0:

@@ -21,6 +21,7 @@ import cuda.tile as ct
 
 from .common import Big, ConstInt
 from .gated_norm import sigmoid
+from .gated_norm_bwd import gated_rows, gate_first_grad
 
 _ZERO = ct.PaddingMode.ZERO
 
@@ -67,29 +68,11 @@ def gated_norm_wide_bwd_kernel(dy: Big, x: Big, z: Big, weight, bias, rstd, msum
         m = ct.load(msum, (g, rb), shape=(1, BR), padding_mode=_ZERO).reshape((BR, 1))
         xf = _tile(x, rb, g, c, BR, CS)
         do = _tile(dy, rb, g, c, BR, CS)
-        zf = ct.zeros((BR, CS), dtype=ct.float32)
-        n = xf * r
-        if has_z != 0:
-            zf = _tile(z, rb, g, c, BR, CS)
-            sig = sigmoid(zf)
-            if gate_first != 0:
-                n = n * (zf * sig)
-            else:  # y = o * s: dz from o; the gradient reaching o is dy * s
-                o = n * w
-                if has_bias != 0:
-                    o = o + ct.load(bias, (g, c), shape=(1, CS), padding_mode=_ZERO).astype(ct.float32)
-                ct.store(dz, (rb, g, c), (do * o * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
-                         .reshape((BR, 1, CS)))
-                do = do * (zf * sig)
+        zf, n, do = gated_rows(xf, r, do, z, w, bias, dz, rb, g, c, has_z, has_bias, gate_first, BR, CS)
         dw = dw + ct.sum(do * n, axis=0)
         db = db + ct.sum(do, axis=0)
         dh = r * (do * w - n * m)
-        if has_z != 0:
-            if gate_first != 0:  # h = x * s
-                sig = sigmoid(zf)
-                ct.store(dz, (rb, g, c), (dh * xf * sig * (1.0 + zf * (1.0 - sig))).astype(dz.dtype)
-                         .reshape((BR, 1, CS)))
-                dh = dh * (zf * sig)
+        dh = gate_first_grad(dh, xf, zf, dz, rb, g, c, has_z, gate_first, BR, CS)
         ct.store(dx, (rb, g, c), dh.astype(dx.dtype).reshape((BR, 1, CS)))
     ct.store(dw_part, (p, g, c), dw.reshape((1, 1, CS)))
     if has_bias != 0:
