@@ -9,12 +9,11 @@ reads x through its (batch, seqlen, channels) view, channels contiguous, and com
 A program loads its (BT, BC) tile and the HALO = 4 tokens before it (for the first tile: the history, as the
 launcher lays out initial_states, or zeros), each once. The taps read that window shifted by 0 .. W-1 tokens.
 cuTile has no shift of a tile, so the window is split into its token rows (ct.extract) and each shifted tile is
-put back together from the rows it needs (ct.cat, pairwise). tileiras lays such tiles out one channel per thread
-with the tokens in that thread's registers, so the rows and their concatenations are register renames: a sm_90
-build of width 4 (bfloat16, occupancy 4) loads 36 token rows per 32-token tile and otherwise works in 115
-registers, with 5 KB of shared memory for the weights' transpose and the broadcast ids. (That needs the arrays'
-base addresses to be known element-aligned, as they are at run time: built without that assumption, as the
-ahead-of-time signatures of specs.py are, the shifts go through ~220 KB of shared memory.) seq_idx compares the ids
+put back together from the rows it needs (ct.cat, pairwise). As the runtime builds it (the channel extent known a
+multiple of 16, so that loads are 16-byte vectors), tileiras moves those rows through shared memory: 214
+registers and 227 KB at width 4, bfloat16, one CTA per SM (measure/kernel_resources.py), and 0.945 ms at
+8 x 4096 x 5376 on an H100, 4.5x the bandwidth bound. (Reading each tap as a tile of a view of x shifted by a few
+tokens measured slower still: docs/history.md.) seq_idx compares the ids
 of the same shifted rows (the history's is 0; without seq_idx every id is 0 and the masks are all true).
 
 The last token tile's programs also write the final states (the last state_len inputs, history and masking as in
