@@ -71,13 +71,10 @@ def test_gradients_against_float64_and_mamba_ssm(shape):
     g_fin = torch.randn(b, h, p, n, generator=gen)
     want = _grads(mamba_chunk_scan_combined, case, "cpu", torch.float64, g_y.double(), g_fin.double())
     f32 = _grads(mamba_chunk_scan_combined, case, "cpu", torch.float32, g_y.float(), g_fin)
-    got = _grads(mamba_chunk_scan_combined, {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-                                             for k, v in case.items()}, "cuda", None, g_y, g_fin)
+    on_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    got = _grads(mamba_chunk_scan_combined, on_gpu, "cuda", None, g_y, g_fin)
     peer = _mamba_ssm_scan()
-    theirs = None
-    if peer is not None:
-        theirs = _grads(peer, {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()},
-                        "cuda", None, g_y, g_fin)
+    theirs = _grads(peer, on_gpu, "cuda", None, g_y, g_fin) if peer is not None else None
     report = []
     for name in LEAVES:
         err = rel_err(got[name], want[name])
