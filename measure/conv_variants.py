@@ -1,10 +1,13 @@
-"""The causal convolution's forward at the layer's size under other tiles and occupancy hints:
+"""The causal convolution's forward (or, with --backward, its backward) at the layer's size under other tiles and
+occupancy hints:
 
-    python measure/conv_variants.py [--batch 8] [--seqlen 4096] [--channels 5376] [--json OUT]
+    python measure/conv_variants.py [--backward] [--tiles 32x128,16x128] [--occupancy table,2]
+                                    [--batch 8] [--seqlen 4096] [--channels 5376] [--json OUT]
 
 x is the layer's: a (batch, channels, seqlen) transposed view of a slice of a wider (batch, seqlen, 10576) bf16
-buffer (the input projection's output); width 4, bias, SiLU. Variants: the package's choice, then
-CONV_TILE_T x CONV_TILE_C (harness.constants) and the occupancy hint (harness.hints). Times: harness.median_ms
+buffer (the input projection's output); width 4, bias, SiLU. Variants: the package's choice, then each of --tiles (BTxBC: CONV_TILE_T x CONV_TILE_C, or
+CONV_BWD_TILE_T x CONV_BWD_TILE_C with --backward; harness.constants) under each --occupancy hint ("table": the
+package's; harness.hints). The backward is m2ops::causal_conv1d_bwd called directly (g_x, g_weight, g_bias). Times: harness.median_ms
 (L2 flushed, median of 50); y compared with the package's choice (rel_err). Ends with the bandwidth bound.
 """
 
@@ -22,6 +25,10 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--channels", type=int, default=5376)
+    ap.add_argument("--backward", action="store_true", help="time causal_conv1d_bwd instead of the forward")
+    ap.add_argument("--tiles", default="32x128,64x128,16x128,32x64,64x64,128x64,32x256",
+                    help="BTxBC tilings, comma-separated (default: %(default)s)")
+    ap.add_argument("--occupancy", default="table,2", help="occupancy hints, comma-separated (default: %(default)s)")
     harness.add_json(ap)
     args = ap.parse_args()
     b, L, C = args.batch, args.seqlen, args.channels
@@ -30,7 +37,12 @@ def main():
     w = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16) * 0.3
     bias = torch.randn(C, device="cuda", dtype=torch.bfloat16)
 
+    g_y = torch.randn(b, L, C, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    no_final = x.new_zeros((b, C, 0))
+
     def call():
+        if args.backward:
+            return torch.ops.m2ops.causal_conv1d_bwd(g_y, no_final, x, w, bias, None, None, True)[0]
         return m2ops.causal_conv1d_fn(x, w, bias, activation="silu")
 
     ref = call()
@@ -47,12 +59,16 @@ def main():
         print(f"{name:40s} {ms:8.3f} ms  err {rows[-1]['rel_err']:.2e}", flush=True)
 
     row("package")
-    for bt, bc in ((32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (128, 64), (32, 256)):
-        for occ in (None, 2):
-            with harness.constants(CONV_TILE_T=bt, CONV_TILE_C=bc), \
-                    harness.hints({} if occ is None else {"causal_conv1d": {"occupancy": occ}}):
-                row(f"BT={bt} BC={bc} occupancy={occ or 'table'}")
-    print(f"bandwidth bound at 3.35 TB/s: {2 * b * L * C * 2 / 3.35e12 * 1e3:.3f} ms")
+    kernel = "causal_conv1d_bwd" if args.backward else "causal_conv1d"
+    prefix = "CONV_BWD_TILE" if args.backward else "CONV_TILE"
+    for tile in (t for t in args.tiles.split(",") if t):
+        bt, bc = (int(v) for v in tile.split("x"))
+        for occ in (o for o in args.occupancy.split(",") if o):
+            with harness.constants(**{f"{prefix}_T": bt, f"{prefix}_C": bc}), \
+                    harness.hints({} if occ == "table" else {kernel: {"occupancy": int(occ)}}):
+                row(f"BT={bt} BC={bc} occupancy={occ}")
+    moved = 3 if args.backward else 2  # (x, y) or (x, g_y, g_x)
+    print(f"bandwidth bound at 3.35 TB/s: {moved * b * L * C * 2 / 3.35e12 * 1e3:.3f} ms")
     harness.write_json(args.json, rows)
 
 

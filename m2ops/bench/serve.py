@@ -119,7 +119,8 @@ def timed(fn, args, graph: bool) -> dict:
     return summary(runs_ms(graphed(fn) if graph else fn, args.device, args.runs, args.warmup))
 
 
-def prefill(args, peer_fns) -> dict:
+def prefill_calls(args, peer_fns) -> tuple[list[int], dict]:
+    """The chunked-prefill inputs' lengths and the calls prefill times, by name (each returns (y, states))."""
     import m2ops
     dev, bf = args.device, torch.bfloat16 if args.device.type == "cuda" else torch.float32
     lens = lengths(args)
@@ -150,6 +151,12 @@ def prefill(args, peer_fns) -> dict:
             return peer_fns[0](x[None], dt[None], A, B[None], C[None], args.chunk_size, D=D, dt_bias=dt_bias,
                                seq_idx=seq_idx, cu_seqlens=cu_dev, dt_softplus=True, return_varlen_states=True)
         calls["mamba_ssm"] = mamba_ssm_call
+    return lens, calls
+
+
+def prefill(args, peer_fns) -> dict:
+    dev = args.device
+    lens, calls = prefill_calls(args, peer_fns)
     res = {"lengths": lens}
     with torch.no_grad():
         ref = [t.float().clone() for t in calls["m2ops-no-starts"]()]
