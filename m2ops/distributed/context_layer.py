@@ -148,20 +148,15 @@ def _check(layer, pg, rank, u, seqlen, seq_idx, cu_seqlens, cache, return_final_
         _check_local(layer, u, seqlen, seq_idx, cu_seqlens, cache)
     except (TypeError, ValueError) as e:  # (the layer's messages without their prefix: WHERE names the call)
         error = type(e)(f"{WHERE} (rank {rank} of the group): {str(e).removeprefix('m2ops.Mamba2.forward: ')}")
-    if not ranks.checks_exchanged(u):
-        if error is not None:
-            raise error
-        return
-    fields = None
-    if error is None:
+
+    def describe():
         needs_grad = torch.is_grad_enabled() and (u.requires_grad or any(p.requires_grad for p in layer.parameters()))
-        fields = [layer.d_model, layer.d_state, layer.d_conv, layer.headdim, layer.nheads, layer.ngroups,
-                  layer.chunk_size, int(layer.rmsnorm), u.numel() // (seqlen or u.shape[1]) // layer.d_model,
-                  ranks.dtype_code(u),
-                  -1 if seq_idx is None else ranks.dtype_code(seq_idx), int(cache is not None),
-                  int(return_final_states), int(needs_grad)]
-    ranks.check_agreement(pg, rank, fields, error, u.device if isinstance(u, torch.Tensor) else "cpu",
-                          names=FIELDS, where=WHERE)
+        return [layer.d_model, layer.d_state, layer.d_conv, layer.headdim, layer.nheads, layer.ngroups,
+                layer.chunk_size, int(layer.rmsnorm), u.numel() // (seqlen or u.shape[1]) // layer.d_model,
+                ranks.dtype_code(u), -1 if seq_idx is None else ranks.dtype_code(seq_idx), int(cache is not None),
+                int(return_final_states), int(needs_grad)]
+    ranks.agree(pg, rank, error, describe, u.device if isinstance(u, torch.Tensor) else "cpu",
+                ranks.checks_exchanged(u), names=FIELDS, where=WHERE)
 
 
 def _check_local(layer, u, seqlen, seq_idx, cu_seqlens, cache):

@@ -101,6 +101,18 @@ def checks_exchanged(x) -> bool:
     return should_check_values(x)
 
 
+def agree(pg, rank: int, error: Exception | None, describe_call, device, exchanged: bool, names=FIELDS,
+          where=WHERE):
+    """The ranks' checks of one call: raise `error` (this rank's local checks failed) right away where the ranks do
+    not exchange (checks_exchanged), else check_agreement with describe_call()'s fields (called only when this
+    rank's checks passed)."""
+    if not exchanged:
+        if error is not None:
+            raise error
+        return
+    check_agreement(pg, rank, None if error is not None else describe_call(), error, device, names, where)
+
+
 def check_agreement(pg, rank: int, fields: list[int] | None, error: Exception | None, device, names=FIELDS,
                     where=WHERE):
     """Exchange every rank's description (fields, one int per name; None with `error` where the local checks

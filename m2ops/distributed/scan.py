@@ -114,18 +114,14 @@ def _check(pg, rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     rank's agreement; raises on every rank if any rank's slice fails."""
     error = _local_error(rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
                          dt_limit, return_final_states)
-    if not ranks.checks_exchanged(x):
-        if error is not None:
-            raise error
-        return
-    fields = None
-    if error is None:
+
+    def describe():
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                      for t in (x, dt, A, B, dt_bias))
-        fields = ranks.describe(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
-                                dt_limit, return_final_states, needs_grad)
+        return ranks.describe(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+                              dt_limit, return_final_states, needs_grad)
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    ranks.check_agreement(pg, rank, fields, error, device)
+    ranks.agree(pg, rank, error, describe, device, ranks.checks_exchanged(x))
 
 
 def _local_error(rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
