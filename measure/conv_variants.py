@@ -7,7 +7,7 @@ occupancy hints:
 x is the layer's: a (batch, channels, seqlen) transposed view of a slice of a wider (batch, seqlen, 10576) bf16
 buffer (the input projection's output); width 4, bias, SiLU. Variants: the package's choice, then each of --tiles (BTxBC: CONV_TILE_T x CONV_TILE_C, or
 CONV_BWD_TILE_T x CONV_BWD_TILE_C with --backward; harness.constants) under each --occupancy hint ("table": the
-package's; harness.hints). The backward is m2ops::causal_conv1d_bwd called directly (g_x, g_weight, g_bias).
+package's, "none": no hint; harness.hints). The backward is m2ops::causal_conv1d_bwd called directly (g_x, g_weight, g_bias).
 Forward only, --gather-tiles: a kernel defined here (gather: each tap's operand a ct.gather of the token rows
 shifted by its offset, channels contiguous; rows before the sequence's start come back as zeros; no seq_idx or
 initial states) under each --occupancy, y written channel-last. Times: harness.median_ms
@@ -90,7 +90,8 @@ def main():
         bt, bc = (int(v) for v in tile.split("x"))
         for occ in (o for o in args.occupancy.split(",") if o):
             with harness.constants(**{f"{prefix}_T": bt, f"{prefix}_C": bc}), \
-                    harness.hints({} if occ == "table" else {kernel: {"occupancy": int(occ)}}):
+                    harness.hints({} if occ == "table" else {kernel: {}} if occ == "none"
+                                  else {kernel: {"occupancy": int(occ)}}):
                 row(f"BT={bt} BC={bc} occupancy={occ}")
     if args.gather_tiles and not args.backward:
         xl, w32, b32 = x.transpose(1, 2), w.float().contiguous(), bias.float()

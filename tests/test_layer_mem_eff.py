@@ -199,6 +199,31 @@ def test_saves_only_zxbcdt_and_y():
     assert plain > per_token + 4 * m.conv_dim, (plain, per_token)
 
 
+def test_backward_fills_no_gradient_for_y():
+    """y (the scan's output, returned for the backward only) gets no zero-filled gradient from autograd: nothing
+    of its size is filled with zeros while the backward runs (it was a (b, L, d_ssm) buffer and a fill kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.new_zeros,
+                                       torch.ops.aten.fill_, torch.ops.aten.zero_):
+                self.sizes.append(out.numel())
+            return out
+
+    m = make_layer(dtype=torch.float32, d_model=64, d_state=16, headdim=16, chunk_size=16)
+    out = m(torch.randn(2, 64, 64, requires_grad=True))
+    y_numel = 2 * 64 * m.d_ssm
+    with Fills() as mode:
+        out.backward(torch.randn_like(out))
+    assert y_numel not in mode.sizes, mode.sizes
+
+
 def test_compile_fullgraph_training_step(reset_dynamo):
     """Forward and backward compiled (fullgraph): the results of eager, and no more saved (AOTAutograd would merge
     an autograd.Function's recomputations with the forward's calls and save their results)."""

@@ -173,10 +173,16 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_N_TENSORS], output[1])
     ctx.options = inputs[_N_TENSORS:]
     ctx.mark_non_differentiable(output[1])
+    # (y's gradient is never used: without this autograd would pass a zero-filled (b, L, d_ssm) tensor for it, a
+    # fill kernel and one more y-sized buffer at the backward's peak)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, g_out, _g_y):
     *saved, y = ctx.saved_tensors
+    if g_out is None:  # (not materialised either: out took no part in what is differentiated)
+        out_weight = saved[7]
+        g_out = y.new_zeros((*y.shape[:-1], out_weight.shape[0]), dtype=out_weight.dtype)
     g = mixer_bwd(g_out, saved[0], y, *saved[1:], *ctx.options)
     present = saved[:9] + saved[10:]  # (no gradient for seq_idx)
     g = [gi if t is not None else None for gi, t in zip(g, present)]
