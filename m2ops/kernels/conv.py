@@ -22,12 +22,12 @@ from .runtime import as_dtype, dense, dtype_name, dummy, param_dtype
 from .specialise import hinted_kernel
 from ..meta.conv1d import KERNEL_MAX_STATE_LEN, KERNEL_WIDTHS, conv_output
 
-# Forward: (BT tokens, BC channels) per program, BT = 32 tokens and the 4-token halo. As the runtime builds it
-# (measure/kernel_resources.py; bfloat16, width 4): 214 registers and 227 KB of shared memory, through which the
-# token rows' extracts and concatenations go once loads are 16-byte vectors; 0.945 ms at 8 x 4096 x 5376 on an
-# H100 against a 0.210 ms bound (measure/conv_variants.py, 2026-12-07; mamba_ssm's causal-conv1d: 0.282).
-CONV_TILE_T = 32
-CONV_TILE_C = 128
+# Forward: (BT tokens, BC channels) per program, each tap's operand gathered at shifted token rows (conv1d.py).
+# Measured at 8 x 4096 x 5376, bfloat16, width 4 on an H200 (measure/conv_variants.py, 2026-12-07): 16 x 64 at
+# occupancy 8 (specialise's table) 0.538 ms, 8 x 128 at occupancy 8 0.564, 16 x 128 at occupancy 4 0.592 and
+# without a hint 0.965, 32 x 128 at occupancy 2 0.883; bandwidth bound 0.210, mamba_ssm's causal-conv1d 0.282 (H100).
+CONV_TILE_T = 16
+CONV_TILE_C = 64
 # Backward: fewer tokens per tile (x, g_y, u and du rows with a halo on either side). As the runtime builds it with
 # SiLU (bfloat16, width 4): 255 registers and 4.7 KB of spills at occupancy 2; 0.930 ms at 8 x 4096 x 5376 on an
 # H100 against a 0.316 ms bound (2026-12-07). Programs walk segments of token tiles so that the partial sums of

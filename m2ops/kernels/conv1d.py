@@ -6,15 +6,14 @@ reads x through its (batch, seqlen, channels) view, channels contiguous, and com
 
     u[t] = bias + sum_k weight[k] x[t - (W-1) + k] [id(t - (W-1) + k) == id(t)],   y = silu(u) or u
 
-A program loads its (BT, BC) tile and the HALO = 4 tokens before it (for the first tile: the history, as the
-launcher lays out initial_states, or zeros), each once. The taps read that window shifted by 0 .. W-1 tokens.
-cuTile has no shift of a tile, so the window is split into its token rows (ct.extract) and each shifted tile is
-put back together from the rows it needs (ct.cat, pairwise). As the runtime builds it (the channel extent known a
-multiple of 16, so that loads are 16-byte vectors), tileiras moves those rows through shared memory: 214
-registers and 227 KB at width 4, bfloat16, one CTA per SM (measure/kernel_resources.py), and 0.945 ms at
-8 x 4096 x 5376 on an H100, 4.5x the bandwidth bound. (Reading each tap as a tile of a view of x shifted by a few
-tokens measured slower still: docs/history.md.) seq_idx compares the ids
-of the same shifted rows (the history's is 0; without seq_idx every id is 0 and the masks are all true).
+Each tap's operand, the tile's tokens shifted back by 0 .. W-1, is gathered from x at those token rows
+(ct.gather: 16-byte vector loads along the channels as the runtime builds it, the repeated rows served by the
+caches); rows before token 0 read zeros, or in the first tile the history (initial_states as the launcher lays them
+out); with seq_idx each row is zeroed where its token's id differs from the output token's (the history's id is 0;
+without seq_idx every id is 0 and the masks are all true). At width 4, bfloat16, BT=16, BC=64, occupancy 8:
+0.538 ms at 8 x 4096 x 5376 on an H200 against 0.944 ms for the former kernel, which loaded the tile and its halo
+once and rebuilt the shifted tiles from extracted token rows (through 227 KB of shared memory) (2026-12-07,
+measure/conv_variants.py; docs/history.md).
 
 The last token tile's programs also write the final states (the last state_len inputs, history and masking as in
 the reference), a row at a time: a few rows per (batch row, channel tile).
@@ -78,43 +77,12 @@ def bias_row(bias, cb, has_bias, BC: int):
     return br
 
 
-def halo_before(x, hist, b, i, cb, has_init, BT: int, BC: int):
-    """(HALO, BC) float32: the HALO tokens before token tile i. For tile 0, hist: the history as the launcher lays
-    it out, float32 (batch, HALO, channels) with the W-1 entries of initial_states last (zeros before them), or
-    zeros. (A (1, HALO, BC) load either way: both branches get one register layout, where building tile 0's halo
-    from rows made tileiras convert it through shared memory.)"""
-    h = ct.zeros((HALO, BC), dtype=ct.float32)
-    if i > 0:
-        h = ct.load(x, (b, i * (BT // HALO) - 1, cb), shape=(1, HALO, BC),
-                    padding_mode=_ZERO).reshape((HALO, BC)).astype(ct.float32)
-    else:
-        if has_init != 0:
-            h = ct.load(hist, (b, 0, cb), shape=(1, HALO, BC), padding_mode=_ZERO).reshape((HALO, BC))
-    return h
-
-
 def ids_tile(seq_idx, b, i, has_seq, BT: int):
     """(BT,) int32 sequence ids of token tile i (zeros without seq_idx)."""
     ids = ct.zeros((BT,), dtype=ct.int32)
     if has_seq != 0:
         ids = ct.load(seq_idx, (b, i), shape=(1, BT), padding_mode=_ZERO).reshape((BT,))
     return ids
-
-
-def ids_before(seq_idx, b, i, has_seq, BT: int):
-    """(HALO,) int32 ids of the HALO tokens before tile i: the history's are 0."""
-    ids = ct.zeros((HALO,), dtype=ct.int32)
-    if has_seq != 0:
-        if i > 0:
-            ids = ct.load(seq_idx, (b, i * (BT // HALO) - 1), shape=(1, HALO), padding_mode=_ZERO).reshape((HALO,))
-    return ids
-
-
-def shifted(rows, ids, start: int, ids_out, n: int):
-    """The n rows from start, with the rows whose id differs from ids_out (the ids of the tokens they are combined
-    with) zeroed: one tap's operand."""
-    same = stack(ids[start:start + n]) == ids_out
-    return ct.where(same[:, None], stack(rows[start:start + n]), 0.0)
 
 
 def last_id(seq_idx, b, seqlen, has_seq):
@@ -154,6 +122,22 @@ def write_final_states(x, hist, seq_idx, final, b, cb, seqlen, state_len, has_in
         ct.store(final, (b, jb, cb), stack(rows).astype(final.dtype).reshape((1, HALO, BC)))
 
 
+def tap_operand(x, hist, seq_idx, b, i, t, c, ids, s: int, has_seq, has_init, BT: int, BC: int):
+    """(BT, BC) float32: the inputs s tokens before the tile's tokens t (zeros where that token's id differs from
+    ids, the tile's own): rows of x gathered at t - s (zeros before token 0 and past the end), and for tile 0 the
+    history's rows at the tokens before 0 (their id is 0)."""
+    src = t - s
+    v = ct.gather(x, (b, src[:, None], c[None, :])).astype(ct.float32)
+    same = ct.full((BT,), True, dtype=ct.bool_)
+    if has_seq != 0:
+        same = ct.gather(seq_idx, (b, src)) == ids  # (0 before token 0: the history's id)
+    if s > 0:
+        if has_init != 0:
+            if i == 0:
+                v = v + ct.gather(hist, (b, (src + HALO)[:, None], c[None, :]), mask=(src < 0)[:, None])
+    return ct.where(same[:, None], v, 0.0)
+
+
 @ct.kernel
 def causal_conv1d_kernel(x: Big, weight, bias, seq_idx, hist, y: Big, final,
                          seqlen: int, has_bias: int, has_seq: int, has_init: int, act: int, state_len: int,
@@ -161,16 +145,14 @@ def causal_conv1d_kernel(x: Big, weight, bias, seq_idx, hist, y: Big, final,
     i = ct.bid(0)
     cb = ct.bid(1)
     b = ct.bid(2)
-
-    xt = ct.load(x, (b, i, cb), shape=(1, BT, BC), padding_mode=_ZERO).reshape((BT, BC)).astype(ct.float32)
-    rows = rows_of(halo_before(x, hist, b, i, cb, has_init, BT, BC), HALO, BC) + rows_of(xt, BT, BC)
+    t = i * BT + ct.arange(BT, dtype=ct.int32)
+    c = cb * BC + ct.arange(BC, dtype=ct.int32)
     ids = ids_tile(seq_idx, b, i, has_seq, BT)
-    idr = ids_of(ids_before(seq_idx, b, i, has_seq, BT), HALO) + ids_of(ids, BT)
     taps = tap_rows(weight, cb, W, BC)
 
     acc = ct.zeros((BT, BC), dtype=ct.float32) + bias_row(bias, cb, has_bias, BC)
     for s in ct.static_iter(range(W)):  # tap W-1-s reads the token s before
-        acc = acc + shifted(rows, idr, HALO - s, ids, BT) * taps[W - 1 - s]
+        acc = acc + tap_operand(x, hist, seq_idx, b, i, t, c, ids, s, has_seq, has_init, BT, BC) * taps[W - 1 - s]
     if act != 0:
         acc = silu(acc)
     ct.store(y, (b, i, cb), acc.astype(y.dtype).reshape((1, BT, BC)))

@@ -9,8 +9,10 @@ once, and computes in float32:
     g_x[t]  = sum_s weight[W-1-s] du[t+s] [id(t+s) == id(t)]
     g_w[k] += sum_t du[t] x[t-(W-1)+k] [same id]                   g_bias += sum_t du[t]
 
-The shifted operands come from the rows of the loaded windows, as in the forward (conv1d.py: through shared
-memory, as the runtime builds it; with SiLU, 255 registers and 4.7 KB of spills at width 4, bfloat16).
+The shifted operands come from the token rows of the loaded windows, put back together by ct.cat (through
+shared memory as the runtime builds it; with SiLU, 255 registers and 4.7 KB of spills at width 4, bfloat16).
+Gathering them at shifted token rows instead, as the forward does (seven x and four g_y gathers a tile), measured
+3.0 ms against this kernel's 0.92 at 8 x 4096 x 5376 on an H200 (docs/history.md).
 Tokens past seqlen read g_y = 0, so they add nothing. The first tile also gives the history's gradient (the g_x
 formula at tokens -HALO .. -1, whose id is 0), written channel-last, float32 (batch, HALO, channels), for the
 launcher to take initial_states' W-1 rows from. g_w and g_bias are summed in registers over the segment and
@@ -24,9 +26,40 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from .common import LOG2E, Big, ConstBool, ConstInt, exp2
-from .conv1d import HALO, bias_row, halo_before, ids_before, ids_of, ids_tile, rows_of, shifted, stack, tap_rows
+from .conv1d import HALO, bias_row, ids_of, ids_tile, rows_of, stack, tap_rows
 
 _ZERO = ct.PaddingMode.ZERO
+
+
+def halo_before(x, hist, b, i, cb, has_init, BT: int, BC: int):
+    """(HALO, BC) float32: the HALO tokens before token tile i. For tile 0, hist: the history as the launcher lays
+    it out, float32 (batch, HALO, channels) with the W-1 entries of initial_states last (zeros before them), or
+    zeros. (A (1, HALO, BC) load either way: both branches get one register layout, where building tile 0's halo
+    from rows made tileiras convert it through shared memory.)"""
+    h = ct.zeros((HALO, BC), dtype=ct.float32)
+    if i > 0:
+        h = ct.load(x, (b, i * (BT // HALO) - 1, cb), shape=(1, HALO, BC),
+                    padding_mode=_ZERO).reshape((HALO, BC)).astype(ct.float32)
+    else:
+        if has_init != 0:
+            h = ct.load(hist, (b, 0, cb), shape=(1, HALO, BC), padding_mode=_ZERO).reshape((HALO, BC))
+    return h
+
+
+def ids_before(seq_idx, b, i, has_seq, BT: int):
+    """(HALO,) int32 ids of the HALO tokens before tile i: the history's are 0."""
+    ids = ct.zeros((HALO,), dtype=ct.int32)
+    if has_seq != 0:
+        if i > 0:
+            ids = ct.load(seq_idx, (b, i * (BT // HALO) - 1), shape=(1, HALO), padding_mode=_ZERO).reshape((HALO,))
+    return ids
+
+
+def shifted(rows, ids, start: int, ids_out, n: int):
+    """The n rows from start, with the rows whose id differs from ids_out (the ids of the tokens they are combined
+    with) zeroed: one tap's operand."""
+    same = stack(ids[start:start + n]) == ids_out
+    return ct.where(same[:, None], stack(rows[start:start + n]), 0.0)
 
 
 def silu_grad(u):
