@@ -147,7 +147,8 @@ def test_block_states_against_cpu(block):
     meta = m2ops.prepare_varlen(cu, 64, "cuda", block_size=block, context_lens=context)
     g, cu_g, starts_g = _to(c, "cuda"), cu.cuda(), starts.cuda()
     got = _call(g, cu_g, 64, initial_states=starts_g, meta=meta, return_block_states=True)
-    assert got[2].shape == want[2].shape and got[2].shape[0] > 10
+    # (the case crosses many block boundaries: 10 states at block 100, more at 64)
+    assert got[2].shape == want[2].shape and got[2].shape[0] >= 10
     assert rel_err(got[2], want[2]) <= TOL["states"][torch.bfloat16], rel_err(got[2], want[2])
     graph, out = captured(lambda: _call(g, cu_g, 64, initial_states=starts_g, meta=meta, return_block_states=True))
     out[2].zero_()
