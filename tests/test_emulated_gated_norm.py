@@ -75,15 +75,17 @@ def _check(lead, ngroups, group_size, dtype, name, layout, seed, sm_count):
 
 
 # (leading dims, ngroups, group_size, layout): partial row blocks at every tile class, groups of a power of two
-# and not, several groups; groups over 4096 go to the column-tiled kernels (gated_norm_wide, and the backward's
-# two: a partial last column tile at 5000, two groups of 5120 over 6 rows, the last row block partial).
+# and not, several groups; groups over 4096 go to the column-tiled kernels (gated_norm_wide: 512-column tiles, one
+# specialisation per tile count; the backward's two: 1024-column tiles): a partial last column tile at 5000, two
+# groups of 5120 over 6 rows, the last row block partial, and the largest group the kernels take, 8192.
 SHAPES = [
     ((3, 50), 2, 64, "slice"),         # GS 64, BR 64: 150 rows, 3 row blocks, the last partial
     ((2, 37), 3, 100, "slice"),        # GS 128 padded, BR 32
     ((5, 7), 1, 1000, "transposed"),   # GS 1024, BR 4
     ((9,), 2, 4096, "contig"),         # GS 4096, BR 1
-    ((2, 3), 1, 5000, "slice"),        # wide: 5 column tiles of 1024, the last partial
+    ((2, 3), 1, 5000, "slice"),        # wide: 10 column tiles of 512 (5 of 1024 backward), the last partial
     ((6,), 2, 5120, "slice"),          # wide: 2 groups, BR 4 over 6 rows
+    ((5,), 1, 8192, "contig"),         # wide: 16 column tiles of 512, BR 4 over 5 rows
 ]
 
 

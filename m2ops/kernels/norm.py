@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ..meta.gated_norm import norm_rstd_shape
+from ..meta.gated_norm import KERNEL_NORM_MAX_GROUP, norm_rstd_shape
 from . import runtime
 from .common import cdiv
 from .runtime import as_dtype, common_dtype, dense, dummy, param_dtype
@@ -33,10 +33,14 @@ NORM_GROUP_TILES = tuple(1 << k for k in range(6, NORM_TILE_ELEMS.bit_length()))
 # thread at 4096 elements). num_worker_warps=8 (256 threads) builds the forward at 71-94 registers and the backward
 # at 194-238 without spills.
 NORM_HINTS = (("num_worker_warps", 8),)
-# Groups over NORM_TILE_ELEMS channels (gated_norm_wide.py, gated_norm_wide_bwd.py): BR rows in CS-column tiles. A
-# whole-group 8192 tile built as a CTA pair (num_ctas=2) took 2.26 ms forward and 3.0 ms backward at 32768 rows x
-# 5120 channels on an H100, 5.8x and 2.9x mamba_ssm's norm (2026-12-07). Built with NORM_HINTS; not yet timed
-# (measure/norm_variants.py).
+# Groups over NORM_TILE_ELEMS channels (gated_norm_wide.py, gated_norm_wide_bwd.py). The forward holds BR rows of a
+# group as NC tiles of CS columns (one specialisation per NC up to KERNEL_NORM_MAX_GROUP / CS); measured at 32768
+# rows x 5120 channels, bfloat16 (measure/norm_variants.py, H200, 2026-12-07): BR=4, CS=512 with NORM_HINTS 0.421 ms,
+# BR=2, CS=1024 0.572, BR=1 or 2 with 4 warps 0.69; the former two-pass kernel 0.512-1.663 over its tilings (0.767 as
+# it was used). A whole-group 8192 tile built as a CTA pair took 2.26 ms forward and 3.0 ms backward on an H100.
+NORM_WIDE_FWD_ROWS = 4
+NORM_WIDE_FWD_COLS = 512
+# The backward walks the group in (NORM_WIDE_ROWS, NORM_WIDE_COLS) tiles, twice.
 NORM_WIDE_ROWS = 4
 NORM_WIDE_COLS = 1024
 # Its backward (gated_norm_wide_bwd.py): programs per SM in all, spread over the groups' column tiles; (4, 1024)
@@ -60,7 +64,17 @@ def norm_constants(group_tile: int) -> dict:
 
 
 def norm_wide_constants() -> dict:
+    """The wide backward's tiles."""
     return dict(BR=NORM_WIDE_ROWS, CS=NORM_WIDE_COLS)
+
+
+def norm_wide_fwd_tile_counts() -> tuple:
+    """NC of the wide forward's specialisations: every tile count of a group over NORM_TILE_ELEMS channels."""
+    return tuple(range(cdiv(NORM_TILE_ELEMS + 1, NORM_WIDE_FWD_COLS), cdiv(KERNEL_NORM_MAX_GROUP, NORM_WIDE_FWD_COLS) + 1))
+
+
+def norm_wide_fwd_constants(group_size: int) -> dict:
+    return dict(BR=NORM_WIDE_FWD_ROWS, CS=NORM_WIDE_FWD_COLS, NC=cdiv(group_size, NORM_WIDE_FWD_COLS))
 
 
 def _as_rows(t, hidden, dtype):
@@ -116,9 +130,9 @@ def rms_norm_gated(x, weight, bias, z, eps: float, group_size: int, norm_before_
                  int(z is not None and not norm_before_gate))
         arrays = (_grouped(x2, group_size), z3, w, b, _grouped(y, group_size), rstd)
         if k["GS"] > NORM_TILE_ELEMS:  # wider than one tile: the column-tiled kernel
-            wk = norm_wide_constants()
+            wk = norm_wide_fwd_constants(group_size)
             runtime.launch((cdiv(rows, wk["BR"]), ngroups, 1), _wide_kernel(),
-                           (*arrays, *flags, cdiv(group_size, wk["CS"]), wk["BR"], wk["CS"]))
+                           (*arrays, *flags, wk["BR"], wk["CS"], wk["NC"]))
         else:
             runtime.launch((cdiv(rows, k["BR"]), ngroups, 1), kernel, (*arrays, *flags, k["BR"], k["GS"]))
     y = y.view(x.shape)

@@ -193,7 +193,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _INT, _INT, _INT)
     if kernel_name == "gated_norm_wide":
         return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
-                _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT)
     if kernel_name == "gated_norm_wide_rows":
         return (_a(dt, 3), _a(dt, 3), _a(dt, 3), _a(F32, 2), _a(F32, 2), _a(F32, 2), _FLOAT, _INT, _INT, _INT)
     if kernel_name == "gated_norm_wide_bwd":
@@ -369,9 +369,11 @@ def all_specs() -> list[Spec]:
             for pd in param_dtypes(dt):
                 out.append(Spec("gated_norm", dt, norm.norm_constants(gt), _params("gated_norm", dt, param_dtype=pd),
                                 norm.NORM_HINTS, dtypes=(("param", pd),)))
-        for pd in param_dtypes(dt):
-            out.append(Spec("gated_norm_wide", dt, norm.norm_wide_constants(),
-                            _params("gated_norm_wide", dt, param_dtype=pd), norm.NORM_HINTS, dtypes=(("param", pd),)))
+        for nc in norm.norm_wide_fwd_tile_counts():
+            for pd in param_dtypes(dt):
+                out.append(Spec("gated_norm_wide", dt, norm.norm_wide_fwd_constants(nc * norm.NORM_WIDE_FWD_COLS),
+                                _params("gated_norm_wide", dt, param_dtype=pd), norm.NORM_HINTS,
+                                dtypes=(("param", pd),)))
         for name in ("gated_norm_wide_rows", "gated_norm_wide_bwd"):
             out.append(Spec(name, dt, norm.norm_wide_constants(), _params(name, dt), norm.NORM_HINTS))
     # The causal convolution (conv.py): activations' dtype x width (x SiLU for the backward, whose u is
