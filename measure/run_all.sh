@@ -10,7 +10,8 @@
 # an eager forward's host time, step by step), op_times (measure/op_times.py), and the sweeps of
 # docs/validation.md's next GPU run: decode (measure/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep
 # (graph_scan.py at 1K), backward_sweep (backward_scan.py): the occupancy hints of specialise._OCCUPANCY_ANY_CHUNK
-# against none and against occupancy 8.
+# against none and against occupancy 8; conv_variants, norm_variants (the norm's backward against a one-pass
+# kernel), serve_variants (chunked prefill's start-state corrections) and layer_memory (a training step's peak).
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
 # that need no timing: e.g. --parallel kernels backward state_update models, about 6 minutes on a fresh H200).
 # The test steps tune into a tuning cache of their own, so that a benchmark run after them on the same machine
@@ -73,6 +74,12 @@ step() {
     backward_sweep) run backward_sweep 300 python measure/backward_scan.py --shapes 64K:128,16K:128,64K:64 \
         --variants "swept no occ,state_carry_grad occ 8,chunk_cumsum_bwd occ 2,chunk_cb occ 8" \
         --json "$OUT/backward_sweep.json" ;;
+    # the layer's kernels and the serving corrections against their variants, and the training step's memory
+    conv_variants) run conv_variants 150 python measure/conv_variants.py --tiles 16x64,8x128 --occupancy table,8 \
+        --json "$OUT/conv_variants.json" ;;
+    norm_variants) run norm_variants 150 python measure/norm_variants.py --backward --json "$OUT/norm_bwd_variants.json" ;;
+    serve_variants) run serve_variants 120 python measure/serve_variants.py --json "$OUT/serve_variants.json" ;;
+    layer_memory) run layer_memory 90 python measure/layer_memory.py --json "$OUT/layer_memory.json" ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
 }
