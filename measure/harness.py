@@ -112,6 +112,18 @@ def add_json(ap: argparse.ArgumentParser):
                     help="also write the rows to OUT, with the GPU, versions and commit (write_json)")
 
 
+def serve_prefill_args(argv: list[str]):
+    """(bench.serve's parsed prefill options, --json's OUT or None) from a script's argv: the scripts that time
+    bench.serve's chunked prefill take its options as they are, plus --json."""
+    from m2ops.bench.serve import parse_args
+    json_path = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        json_path = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    return parse_args(["--modes", "prefill", *argv]), json_path
+
+
 # ---- timing ----
 
 SLEEP_CLOCK_HZ = 2.0e9  # torch.cuda._sleep counts GPU cycles: about 2 GHz on the H100 and H200

@@ -16,17 +16,11 @@ import harness  # first of the local imports: it puts the repository on sys.path
 import torch
 
 from m2ops.bench.kernels import short_name
-from m2ops.bench.serve import parse_args, prefill_calls
+from m2ops.bench.serve import prefill_calls
 
 
 def main():
-    argv = sys.argv[1:]
-    json_path = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_path = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-    args = parse_args(["--modes", "prefill", *argv])
+    args, json_path = harness.serve_prefill_args(sys.argv[1:])
     lens, calls = prefill_calls(args, None)
     rows = []
     with torch.no_grad():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gpu_cases import rel_err
 
 from m2ops import sequence_states as ss
-from m2ops.bench.serve import parse_args, prefill_calls, timed
+from m2ops.bench.serve import prefill_calls, timed
 
 
 def first_chunk_lowp(y, C, z, init, Pz, index, acc, no_atomics=False):
@@ -79,13 +79,7 @@ VARIANTS = {
 
 
 def main():
-    argv = sys.argv[1:]
-    json_path = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_path = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-    args = parse_args(["--modes", "prefill", *argv])
+    args, json_path = harness.serve_prefill_args(sys.argv[1:])
     lens, calls = prefill_calls(args, None)
     fn = calls["m2ops"]
     rows, ref = [], None
