@@ -31,14 +31,11 @@ from m2ops.kernels import norm, runtime
 from m2ops.kernels.common import Big, ConstInt, cdiv
 from m2ops.kernels.gated_norm import sigmoid
 from m2ops.kernels.gated_norm_bwd import gate_first_grad, gated_rows
+from m2ops.kernels.gated_norm_wide import column_tile
 from m2ops.kernels.norm import NORM_HINTS
 from m2ops.kernels.specialise import hinted
 
 _ZERO = ct.PaddingMode.ZERO
-
-
-def _tile(arr, rb, g, c, BR: int, CS: int):
-    return ct.load(arr, (rb, g, c), shape=(BR, 1, CS), padding_mode=_ZERO).reshape((BR, CS)).astype(ct.float32)
 
 
 def _normed(xf, r, zf, has_z, gate_first):
@@ -71,8 +68,8 @@ def bwd_onepass_kernel(dy: Big, x: Big, z: Big, weight, bias, rstd, dx: Big, dz:
         new_db = ()
         acc = ct.zeros((BR,), dtype=ct.float32)
         for c in ct.static_iter(range(NC)):
-            xf = _tile(x, rb, g, c, BR, CS)
-            zf, n, do = gated_rows(xf, r, _tile(dy, rb, g, c, BR, CS), z, ws[c], bias, dz, rb, g, c, has_z,
+            xf = column_tile(x, rb, g, c, BR, CS)
+            zf, n, do = gated_rows(xf, r, column_tile(dy, rb, g, c, BR, CS), z, ws[c], bias, dz, rb, g, c, has_z,
                                    has_bias, gate_first, BR, CS)
             new_dw += (dws[c] + ct.sum(do * n, axis=0),)
             new_db += (dbs[c] + ct.sum(do, axis=0),)

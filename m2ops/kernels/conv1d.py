@@ -129,8 +129,9 @@ def tap_operand(x, hist, seq_idx, b, i, t, c, ids, s: int, has_seq, has_init, BT
     src = t - s
     v = ct.gather(x, (b, src[:, None], c[None, :])).astype(ct.float32)
     same = ct.full((BT,), True, dtype=ct.bool_)
-    if has_seq != 0:
-        same = ct.gather(seq_idx, (b, src)) == ids  # (0 before token 0: the history's id)
+    if s > 0:  # (the tile's own tokens, s = 0, share their ids)
+        if has_seq != 0:
+            same = ct.gather(seq_idx, (b, src)) == ids  # (0 before token 0: the history's id)
     if s > 0:
         if has_init != 0:
             if i == 0:

@@ -23,7 +23,9 @@ from .gated_norm import sigmoid
 _ZERO = ct.PaddingMode.ZERO
 
 
-def _tile(arr, rb, g, c, BR: int, CS: int):
+def column_tile(arr, rb, g, c, BR: int, CS: int):
+    """(BR, CS) float32: row block rb, column tile c of group g of a (rows, ngroups, group_size) array, zero-padded
+    (shared with gated_norm_wide_bwd.py)."""
     return ct.load(arr, (rb, g, c), shape=(BR, 1, CS), padding_mode=_ZERO).reshape((BR, CS)).astype(ct.float32)
 
 
@@ -40,10 +42,10 @@ def gated_norm_wide_kernel(x: Big, z: Big, weight, bias, y: Big, rstd,
     hs = ()
     ss = ct.zeros((BR,), dtype=ct.float32)
     for c in ct.static_iter(range(NC)):
-        h = _tile(x, rb, g, c, BR, CS)
+        h = column_tile(x, rb, g, c, BR, CS)
         if has_z != 0:
             if gate_first != 0:
-                h = h * _gate(_tile(z, rb, g, c, BR, CS))
+                h = h * _gate(column_tile(z, rb, g, c, BR, CS))
         ss = ss + ct.sum(h * h, axis=1)
         hs += (h,)
     r = ct.rsqrt(ss * inv_group_size + eps)
@@ -53,6 +55,6 @@ def gated_norm_wide_kernel(x: Big, z: Big, weight, bias, y: Big, rstd,
             o = o + ct.load(bias, (g, c), shape=(1, CS), padding_mode=_ZERO).astype(ct.float32)
         if has_z != 0:
             if gate_first == 0:
-                o = o * _gate(_tile(z, rb, g, c, BR, CS))
+                o = o * _gate(column_tile(z, rb, g, c, BR, CS))
         ct.store(y, (rb, g, c), o.astype(y.dtype).reshape((BR, 1, CS)))
     ct.store(rstd, (g, rb), r.reshape((1, BR)))

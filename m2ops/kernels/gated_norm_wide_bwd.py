@@ -22,12 +22,9 @@ import cuda.tile as ct
 from .common import Big, ConstInt
 from .gated_norm import sigmoid
 from .gated_norm_bwd import gated_rows, gate_first_grad
+from .gated_norm_wide import column_tile
 
 _ZERO = ct.PaddingMode.ZERO
-
-
-def _tile(arr, rb, g, c, BR, CS):
-    return ct.load(arr, (rb, g, c), shape=(BR, 1, CS), padding_mode=_ZERO).reshape((BR, CS)).astype(ct.float32)
 
 
 @ct.kernel
@@ -40,10 +37,10 @@ def gated_norm_wide_rows_kernel(dy: Big, x: Big, z: Big, weight, rstd, msum,
     acc = ct.zeros((BR,), dtype=ct.float32)
     for c in range(n_chunks):
         w = ct.load(weight, (g, c), shape=(1, CS), padding_mode=_ZERO).astype(ct.float32)
-        n = _tile(x, rb, g, c, BR, CS) * r
-        do = _tile(dy, rb, g, c, BR, CS)
+        n = column_tile(x, rb, g, c, BR, CS) * r
+        do = column_tile(dy, rb, g, c, BR, CS)
         if has_z != 0:
-            zf = _tile(z, rb, g, c, BR, CS)
+            zf = column_tile(z, rb, g, c, BR, CS)
             s = zf * sigmoid(zf)
             if gate_first != 0:
                 n = n * s
@@ -66,8 +63,8 @@ def gated_norm_wide_bwd_kernel(dy: Big, x: Big, z: Big, weight, bias, rstd, msum
     for rb in range(p, n_row_blocks, n_programs):
         r = ct.load(rstd, (g, rb), shape=(1, BR), padding_mode=_ZERO).reshape((BR, 1))
         m = ct.load(msum, (g, rb), shape=(1, BR), padding_mode=_ZERO).reshape((BR, 1))
-        xf = _tile(x, rb, g, c, BR, CS)
-        do = _tile(dy, rb, g, c, BR, CS)
+        xf = column_tile(x, rb, g, c, BR, CS)
+        do = column_tile(dy, rb, g, c, BR, CS)
         zf, n, do = gated_rows(xf, r, do, z, w, bias, dz, rb, g, c, has_z, has_bias, gate_first, BR, CS)
         dw = dw + ct.sum(do * n, axis=0)
         db = db + ct.sum(do, axis=0)

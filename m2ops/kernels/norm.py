@@ -70,7 +70,8 @@ def norm_wide_constants() -> dict:
 
 def norm_wide_fwd_tile_counts() -> tuple:
     """NC of the wide forward's specialisations: every tile count of a group over NORM_TILE_ELEMS channels."""
-    return tuple(range(cdiv(NORM_TILE_ELEMS + 1, NORM_WIDE_FWD_COLS), cdiv(KERNEL_NORM_MAX_GROUP, NORM_WIDE_FWD_COLS) + 1))
+    return tuple(range(cdiv(NORM_TILE_ELEMS + 1, NORM_WIDE_FWD_COLS),
+                       cdiv(KERNEL_NORM_MAX_GROUP, NORM_WIDE_FWD_COLS) + 1))
 
 
 def norm_wide_fwd_constants(group_size: int) -> dict:
