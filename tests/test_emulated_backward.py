@@ -1,5 +1,6 @@
 """The backward kernels (m2ops/kernels/backward.py) on the emulator against the reference backward formulas:
-chunk_cumsum_bwd, fwd_pass_state_bwd (with gcarry in the walk or apart from it), compute_out_bwd.
+chunk_cumsum_bwd, fwd_pass_state_bwd (whole and in its two stages, state_passing_bwd and chunk_state_bwd; with gcarry
+in the walk or apart from it), compute_out_bwd.
 
 The kernels' own code on the CPU through tests/tile_emulator.py, against the reference: what that catches and
 misses, and the tolerances, in tests/emulated_cases.py (the helpers shared by tests/test_emulated_*.py). Skipped
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.slow  # minutes on a 2-core machine: outside the quick 
 from emulated_cases import BWD_TOL, SWEEP, cases, emulated_launches  # noqa: E402  (puts tests/gpu on sys.path)
 from gpu_cases import make_case, reference_forward, rel_err  # noqa: E402
 from knobs import knobs  # noqa: E402
+from m2ops.meta.shapes import g_local_dtype  # noqa: E402
 from tile_emulator import emulated_kernels  # noqa: E402
 
 
@@ -53,22 +55,41 @@ def test_backward_kernels(kw):
     args = (_cotangent(mid["states"], gen), _cotangent(fin_ref, gen), fin_ref.new_zeros((0, *fin_ref.shape[1:])),
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
+    dtype = case["x"].dtype
+    base = _cotangent(case["x"], gen).to(dtype)
     with emulated_kernels():
         got = backward.fwd_pass_state_bwd(*args)
-        # given the entering states and another op's g_x to add (as chunk_scan's backward passes them)
-        base = _cotangent(case["x"], gen).to(case["x"].dtype)
-        got_given = backward.fwd_pass_state_bwd(*args, mid["states"], base)
+        # in its two stages from the entering states, x's gradient added into another op's (as chunk_scan's
+        # backward calls them)
+        got_staged, stage1 = _staged(backward, args, mid["states"], base)
     _assert_no_aliasing(args, got)
-    _assert_no_aliasing((*args, base), got_given)
-    dtype = case["x"].dtype
-    want_given = (ref_bwd.fwd_pass_state_bwd(*args, None, base)[0], *want[1:])
-    assert rel_err(want_given[0].float(), want[0].float() + base.float()) <= BWD_TOL[dtype]
-    for name, a, b, c, d in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_given,
-                                want_given):
+    want_stage1 = ref_bwd.state_passing_bwd(args[0], args[1], mid["states"], mid["dA_cumsum"], case["seq_idx"],
+                                            stage1[0].dtype)
+    for name, a, b in zip(("g_local", "g_carry", "g_init"), stage1, want_stage1):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
-        assert c.shape == d.shape and c.dtype == d.dtype and c.is_contiguous(), name
-        assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
-        assert rel_err(c, d) <= BWD_TOL[dtype], f"{name} (states and g_x_base given): {rel_err(c, d):.3e}"
+        assert rel_err(a, b) <= BWD_TOL[dtype], f"state_passing_bwd's {name}: {rel_err(a, b):.3e}"
+    want_staged = (want[0].float() + base.float(), *want[1:])
+    for name, a, b, c, d in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_staged,
+                                want_staged):
+        # A token's g_dt is one tf32 dot product over headdim x dstate terms, whose cancellation a sequence of
+        # one or a few tokens does not average out (4.3e-3 at one token, headdim 64, dstate 100).
+        tol = BWD_TOL[dtype] * (2 if dtype == torch.float32 and name in ("g_dt_out", "g_dA_cumsum") else 1)
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
+        assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
+        assert c.shape == d.shape and c.is_contiguous(), name
+        assert rel_err(c.float(), d.float()) <= tol, f"{name} (in two stages): {rel_err(c, d):.3e}"
+
+
+def _staged(backward, args, states, base):
+    """fwd_pass_state_bwd's gradients through the launchers of its two stages as the scan's backward calls them,
+    from the given entering states, x's added into base (or zeros); and the first stage's outputs."""
+    g_states, g_final, _, x, B, dt_out, dA_cumsum, initial_states, seq_idx, _ = args
+    stage1 = backward.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
+                                        g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
+    g_x = base.clone() if base is not None else torch.zeros_like(x)
+    g_B, g_dt, g_cs = backward.chunk_state_bwd(stage1[0], stage1[1], x, B, dt_out, dA_cumsum, seq_idx, g_x)
+    g_init = stage1[2].to(initial_states.dtype) if initial_states is not None else g_states.new_empty((0,))
+    return (g_x, g_B, g_dt, g_cs, g_init), stage1
 
 
 def _assert_no_aliasing(args, outputs):
@@ -147,7 +168,7 @@ def test_state_carry_grad_apart_from_the_walk(monkeypatch, dtype, seq_idx, given
     if carry_block is not None:  # else backward.carry_block's choice
         monkeypatch.setattr(backward, "carry_block", lambda state_elems: carry_block)
     with emulated_launches() as launches:
-        got = backward.fwd_pass_state_bwd(*args, states)
+        got = _staged(backward, args, states, None)[0] if given_states else backward.fwd_pass_state_bwd(*args)
     assert "state_carry_grad_kernel" in [name for name, _, _ in launches]
     # the walk's constants end its arguments: BLK, HAS_SEQ, GC, CHK (unchecked where the block divides the state)
     (walk_args,) = [a for name, _, a in launches if name == "state_passing_bwd_kernel"]

@@ -216,8 +216,8 @@ def test_eager_path_names_its_steps_in_the_profiler():
                                      None, case["dt_softplus"], *map(float, case["dt_limit"]))
         (y.float().sum() + fin.sum()).backward()
     names = {e.name for e in prof.events() if e.name.startswith("m2ops::")}
-    assert {"m2ops::chunk_cumsum", "m2ops::chunk_scan", "m2ops::compute_out_bwd", "m2ops::fwd_pass_state_bwd",
-            "m2ops::chunk_cumsum_bwd"} <= names, names
+    assert {"m2ops::chunk_cumsum", "m2ops::chunk_scan", "m2ops::compute_out_bwd", "m2ops::state_passing_bwd",
+            "m2ops::chunk_state_bwd", "m2ops::chunk_cumsum_bwd"} <= names, names
 
 
 def test_eager_path_yields_to_compile_modes_and_subclasses():

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import Dims, make_inputs, printed_with_env, run_scan
 from m2ops import ops
+from m2ops.meta.shapes import g_local_dtype
 
 INF = float("inf")
 
@@ -66,11 +67,17 @@ def bwd_args(case, dtype=torch.float32):
     def cot(t):
         return torch.randn(t.shape, generator=g, dtype=t.dtype)
 
+    x, B, dt_out, dA_cumsum, _, seq_idx, _ = s["state"]
+    states = o["states"]
+    b, c, h = states.shape[:3]
     return dict(
         cumsum=(cot(o["dt_out"]), cot(o["dA_cumsum"]), *s["cumsum"]),
-        state=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"]),
-        state_given=(cot(o["states"]), cot(o["final"]), cot(o["varlen"]), *s["state"], o["states"].detach(),
-                     cot(s["state"][0])),
+        state=(cot(states), cot(o["final"]), cot(o["varlen"]), *s["state"]),
+        passing=(cot(states), cot(o["final"]), states.detach(), dA_cumsum, seq_idx,
+                 g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype)),
+        # (its last argument, a gradient of x, is added into)
+        chunk_state=(cot(states).to(g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype)),
+                     cot(dA_cumsum.new_empty((b, h, c))), x, B, dt_out, dA_cumsum, seq_idx, cot(x)),
         out=(cot(o["y"]), *s["out"]),
     )
 
@@ -79,9 +86,12 @@ FWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum.default, "state": torch.ops.m2
            "out": torch.ops.m2ops.compute_out.default, "scan": torch.ops.m2ops.chunk_scan.default}
 BWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum_bwd.default,
            "state": torch.ops.m2ops.fwd_pass_state_bwd.default,
-           # with the forward's entering states and a gradient of x to add
-           "state_given": torch.ops.m2ops.fwd_pass_state_bwd.default,
+           # fwd_pass_state's backward in its two stages
+           "passing": torch.ops.m2ops.state_passing_bwd.default,
+           "chunk_state": torch.ops.m2ops.chunk_state_bwd.default,
            "out": torch.ops.m2ops.compute_out_bwd.default}
+# the argument each op writes (adds into), by position
+MUTATED = {"chunk_state": 7}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,14 +115,15 @@ def test_opcheck_backward_ops(stage, case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("stage", BWD_OPS)
 def test_bwd_ops_no_alias_no_mutation(stage, case):
+    """No output shares an input's storage, and no input but the one an op declares it writes changes."""
     args = bwd_args(case)[stage]
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     outs = BWD_OPS[stage](*args)
     ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
     for o in outs:
         assert o.numel() == 0 or o.untyped_storage().data_ptr() not in ptrs
-    for a, b in zip(args, before):
-        if isinstance(a, torch.Tensor):
+    for i, (a, b) in enumerate(zip(args, before)):
+        if isinstance(a, torch.Tensor) and i != MUTATED.get(stage):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -166,29 +177,41 @@ def test_bwd_ops_return_empty_for_absent_optionals():
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("bad", ["shape", "dtype", "device"])
-@pytest.mark.parametrize("name", ["states", "g_x_base"])
-def test_state_bwd_names_a_wrong_optional_argument(name, bad, device):
-    """The optional arguments of fwd_pass_state_bwd are checked by name, on the real and the fake path (a meta
-    tensor runs the fake implementation, as torch.compile's tracing does); "meta" is the other device."""
+@pytest.mark.parametrize("stage,name,i", [("passing", "states", 2), ("chunk_state", "g_x", 7)])
+def test_state_bwd_stages_name_a_wrong_argument(stage, name, i, bad, device):
+    """The entering states of state_passing_bwd and the gradient chunk_state_bwd adds into are checked by name,
+    on the real and the fake path (a meta tensor runs the fake implementation, as torch.compile's tracing does);
+    "meta" is the other device."""
     if bad == "device" and device == "meta":
         pytest.skip("meta is the other device")
-    args = list(bwd_args(CASES[0])["state_given"])
-    i = -2 if name == "states" else -1
-    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in bwd_args(CASES[0])[stage]]
     args[i] = {"shape": lambda t: t[:, :-1], "dtype": lambda t: t.to(torch.int32),
                "device": lambda t: t.to("meta")}[bad](args[i])
-    with pytest.raises(TypeError if bad == "dtype" else ValueError, match=rf"fwd_pass_state_bwd: {name} must be"):
-        BWD_OPS["state_given"](*args)
+    op = BWD_OPS[stage]
+    with pytest.raises(TypeError if bad == "dtype" else ValueError, match=rf"{op.name()}: {name} must be"):
+        op(*args)
 
 
-def test_state_bwd_adds_g_x_base():
-    """g_x_base comes back added into g_x, the other gradients as without it."""
-    args = bwd_args(CASES[0])["state_given"]
-    plain = BWD_OPS["state"](*args[:-2])  # the same cotangents, no states, no g_x_base
-    given = BWD_OPS["state_given"](*args)
-    torch.testing.assert_close(given[0], plain[0] + args[-1])
-    for p, g in zip(plain[1:], given[1:]):
-        torch.testing.assert_close(g, p)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_state_bwd_stages_compose_to_the_op(case):
+    """state_passing_bwd then chunk_state_bwd give fwd_pass_state_bwd's gradients, x's added into the given
+    one (the cases without per-sequence states, which only the whole op takes)."""
+    b = bwd_args(case)
+    g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, init, seq_idx, cu = b["state"]
+    if cu is not None:
+        pytest.skip("per-sequence states: the whole op only")
+    want = BWD_OPS["state"](*b["state"])
+    states = b["passing"][2]
+    g_local, g_carry, g_init = BWD_OPS["passing"](g_states, g_final, states, dA_cumsum, seq_idx,
+                                                  g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
+    base = torch.randn(x.shape, dtype=x.dtype)
+    g_x = base.clone()
+    got = BWD_OPS["chunk_state"](g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
+    torch.testing.assert_close(g_x, want[0] + base)
+    for g, w in zip(got, want[1:4]):
+        torch.testing.assert_close(g, w)
+    if init is not None:
+        torch.testing.assert_close(g_init.to(init.dtype), want[4])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from conftest import Dims, make_inputs, run_scan
 # compute_out instead of chunk_scan (the per-chunk states give the per-sequence ones).
 FORWARD = ("m2ops::chunk_cumsum", "m2ops::chunk_scan")
 FORWARD_VARLEN = ("m2ops::chunk_cumsum", "m2ops::fwd_pass_state", "m2ops::compute_out")
-BACKWARD = ("m2ops::chunk_cumsum_bwd", "m2ops::fwd_pass_state_bwd", "m2ops::compute_out_bwd")
+BACKWARD = ("m2ops::chunk_cumsum_bwd", "m2ops::state_passing_bwd", "m2ops::chunk_state_bwd",
+            "m2ops::compute_out_bwd")
 
 
 def event_names(prof):

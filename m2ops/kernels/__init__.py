@@ -51,7 +51,7 @@ except ImportError:
     __all__ = ["unavailable_reason"]
 else:
     # Imported after the kernel modules of the same names, so these names are the launchers.
-    from .backward import chunk_cumsum_bwd, compute_out_bwd, fwd_pass_state_bwd
+    from .backward import chunk_cumsum_bwd, chunk_state_bwd, compute_out_bwd, fwd_pass_state_bwd, state_passing_bwd
     from .conv import causal_conv1d, causal_conv1d_bwd, causal_conv1d_update
     from .decode import state_update, state_update_inplace
     from .forward import chunk_cumsum, compute_out, fwd_pass_state
@@ -60,6 +60,7 @@ else:
     from .specs import all_specs
 
     __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",
-               "state_update_inplace", "chunk_cumsum_bwd", "fwd_pass_state_bwd", "compute_out_bwd",
+               "state_update_inplace", "chunk_cumsum_bwd", "fwd_pass_state_bwd", "state_passing_bwd",
+               "chunk_state_bwd", "compute_out_bwd",
                "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update",
                "unavailable_reason", "all_specs"]

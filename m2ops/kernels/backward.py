@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ..meta.shapes import cb_shape, num_chunks
+from ..meta.shapes import cb_shape, g_local_dtype, num_chunks
 from ..reference import chunked_backward as ref_bwd
 from . import config, runtime
 from .common import STATE_BLOCKS, TILE_H_BWD, TILE_N, TILE_P, cdiv, sub_block
@@ -91,29 +91,35 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None, g_x_base=None):
-    L = dt_out.shape[-1]
-    b, T, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    nchunks = dt_out.shape[2]
-    dev = x.device
-    mma_dtype = common_dtype(x, B)
-    xk, Bk = as_dtype(x, mma_dtype), as_dtype(B, mma_dtype)
-    dtk, csk = as_dtype(dt_out, torch.float32), as_dtype(dA_cumsum, torch.float32)
-    seq = as_dtype(seq_idx, torch.int32) if seq_idx is not None else dummy(x, torch.int32, 2)
-    has_seq = seq_idx is not None
+                       cu_seqlens):
+    """The fwd_pass_state op's backward: the entering states again with the forward kernels, then the two
+    stages below (no per-sequence states' gradient: callers keep that on the reference)."""
+    states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+    g_local, g_carry, g_init = state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
+                                                 g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
+    del states
+    g_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    g_B, g_dt, g_cs = _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into=False)
+    if initial_states is None:
+        return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
+    return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
 
-    # The entering states (the caller's, else again with the forward kernels), then the reverse recurrence.
-    if states is None:
-        states, _, _ = fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
-    else:
-        # float32, or the forward's bfloat16 copy (m2ops/ops/eager.py), which state_passing_bwd widens on load
-        states = (states if states.dtype == torch.bfloat16 else as_dtype(states, torch.float32)).contiguous()
+
+def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dtype):
+    """The reverse recurrence: (g_local in g_local_dtype, g_carry (b, h, c) and g_init (b, h, p, n) in float32).
+    states: float32, or the forward's bfloat16 copy (m2ops/ops/eager.py), which the walk widens on load."""
+    b, h, nchunks, L = dA_cumsum.shape
+    p, n = g_final.shape[-2:]
+    dev = g_final.device
+    csk = as_dtype(dA_cumsum, torch.float32)
+    has_seq = seq_idx is not None
+    seq = as_dtype(seq_idx, torch.int32) if has_seq else dummy(csk, torch.int32, 2)
+    T = seq_idx.shape[1] if has_seq else nchunks * L  # (read only with seq_idx)
+    states = (states if states.dtype == torch.bfloat16 else as_dtype(states, torch.float32)).contiguous()
     pn = p * n
     blk = backward_walk_block(b, h, pn, dev)
     n_blocks = cdiv(pn, blk)
-    g_local = torch.empty((b, nchunks, h, p, n), device=dev,
-                          dtype=getattr(torch, g_local_dtype_name(dtype_name(mma_dtype))))
+    g_local = torch.empty((b, nchunks, h, p, n), device=dev, dtype=g_local_dtype)
     separate = separate_carry_grad(blk)
     # gcarry's shares: one per walk block, or one per chunk from state_carry_grad_kernel
     g_carry_part = torch.empty((b, h, nchunks, 1 if separate else n_blocks), dtype=torch.float32, device=dev)
@@ -131,20 +137,43 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         runtime.launch((nchunks * h, b, 1), hinted_kernel("state_carry_grad", "float32", L),
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
                  cdiv(pn, cblk), cblk))
+    return g_local, g_carry_part.sum(-1), g_init
 
-    # Per token: g_x and g_w (per headdim tile), then g_B per group.
+
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
+    """Adds x's gradient through the chunks' local states into g_x, in place (chunk_state_bwd_x reads each tile
+    of it before it writes that tile), and returns those of B, dt_out and dA_cumsum."""
+    return _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into=True)
+
+
+def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into):
+    """chunk_state_bwd; add_into=False: g_x's contents are not read, only overwritten."""
+    L = dt_out.shape[-1]
+    b, T, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    nchunks = dt_out.shape[2]
+    dev = x.device
+    mma_dtype = common_dtype(x, B)
+    xk, Bk = as_dtype(x, mma_dtype), as_dtype(B, mma_dtype)
+    dtk, csk = as_dtype(dt_out, torch.float32), as_dtype(dA_cumsum, torch.float32)
+    has_seq = seq_idx is not None
+    seq = as_dtype(seq_idx, torch.int32) if has_seq else dummy(x, torch.int32, 2)
+
+    # Per token: g_x and g_w (per headdim tile), then g_B per group. g_x is read and written in the dtype the
+    # kernels compute in (specs.py's signatures): through a copy where the caller's is not that, contiguous.
     k = chunk_state_bwd_constants(L, has_seq, dtype_name(mma_dtype))
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    # Gradients are written in the dtype the kernels compute in and converted to the inputs' at the end (as the
-    # forward's y): the kernels' array dtypes stay those of specs.py when x and B differ in dtype.
-    g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
+    in_place = g_x.dtype == mma_dtype and g_x.is_contiguous()
+    g_xk = g_x if in_place else (g_x.to(mma_dtype, memory_format=torch.contiguous_format) if add_into
+                                 else torch.empty(x.shape, dtype=mma_dtype, device=dev))
     g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     hinted = functools.partial(hinted_kernel, dtype=dtype_name(mma_dtype), chunk_size=k["BL"])
-    base = as_dtype(g_x_base, mma_dtype) if g_x_base is not None else dummy(x, mma_dtype, 4)
     runtime.launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
-            (xk, Bk, dtk, csk, seq, g_local, base, g_x, g_w_part,
-             T, h, h // g, n_ptiles, n_ntiles, int(g_x_base is not None),
+            (xk, Bk, dtk, csk, seq, g_local, g_xk, g_w_part,
+             T, h, h // g, n_ptiles, n_ntiles, int(add_into),
              L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
+    if not in_place:
+        g_x.copy_(g_xk)
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     runtime.launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
             (xk, dtk, csk, seq, g_local, g_B,
@@ -153,13 +182,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
     g_w = g_w_part.sum(2).view(b, h, nchunks, L)
     decay, carry = ref_bwd.chunk_end_decays(csk, seq_idx, L)
-    g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, g_carry_part.sum(-1), carry)
-    g_dt = g_dt.to(dt_out.dtype)
-    g_cs = g_cs.to(dA_cumsum.dtype)
-    g_x, g_B = as_dtype(g_x, x.dtype), as_dtype(g_B, B.dtype)
-    if initial_states is None:
-        return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
-    return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
+    g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, as_dtype(g_carry, torch.float32), carry)
+    return as_dtype(g_B, B.dtype), g_dt.to(dt_out.dtype), g_cs.to(dA_cumsum.dtype)
 
 
 # compute_out_bwd's G (dL/dy before the gate) passed to its kernels in bfloat16 for bfloat16 inputs: G is the
@@ -174,16 +198,10 @@ def g_dtype_name(dtype: str) -> str:
     return "bfloat16" if (G_IN_BF16 and dtype == "bfloat16") else "float32"
 
 
-# The state gradient each chunk's local state receives (glocal, written by state_passing_bwd, read by
-# chunk_state_bwd_x and _b) stored in bfloat16 where those kernels round it to bfloat16 anyway (LOWP): same
-# results, half the bytes of the largest array of fwd_pass_state's backward.
-G_LOCAL_IN_BF16 = True
-
-
 def g_local_dtype_name(dtype: str) -> str:
-    """dtype of glocal for activations of dtype."""
-    lowp = chunk_state_bwd_constants(64, False, dtype)["LOWP"]
-    return "bfloat16" if (G_LOCAL_IN_BF16 and lowp) else "float32"
+    """dtype of glocal for activations of dtype (meta.shapes.g_local_dtype)."""
+    act = getattr(torch, dtype)
+    return dtype_name(g_local_dtype(act, act, torch.float32))
 
 
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:

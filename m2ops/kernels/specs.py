@@ -166,7 +166,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(state_dtype, 4), _a(g_local_dtype, 4), _a(F32, 4), _INT, _INT)
     if kernel_name == "chunk_state_bwd_x":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
-                _a(dt, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
+                _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_b":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)

@@ -10,7 +10,7 @@ in the forward, and gS_C = g_final:
    c - 1's inputs while it works on chunk c, and state_carry_grad_kernel, one program per (chunk, head,
    batch row), forms gcarry_c = <glocal_c, S_c> afterwards, in parallel over the chunks.
 2. chunk_state_bwd_x_kernel, one program per (chunk, head, headdim tile, batch row): for each block of BL
-   tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M (plus the caller's g_x_base, another op's
+   tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M (added into the caller's g_x, another op's
    gradient of x) and this headdim tile's share of g_w = sum_p x M.
 3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
    over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
@@ -110,9 +110,9 @@ def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, 
 
 @ct.kernel
 def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big,
-                             g_x_base: Big, g_x: Big, g_w_part: Big,
+                             g_x: Big, g_w_part: Big,
                              seqlen: int, nheads: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
-                             has_base: int, L: int,
+                             add_into: int, L: int,
                              BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -126,15 +126,16 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
     for sb in range(n_sub):
         row = c * (L // BL) + sb
         w = _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ)
-        # x and the other op's gradient of x (added here rather than in a separate pass) are loaded before the
-        # products so that their latency overlaps them: loaded after, the added read cost 0.4 ms at 64K/128
-        # for 0.16 ms of traffic (docs/history.md v9). Both stay in their storage dtype until used:
-        # widened early, they spilled registers at occupancy 4 (ncu, v11).
+        # x and the gradient of x already in g_x (another op's, added into here rather than in a separate pass:
+        # this program alone reads and then writes the tile) are loaded before the products so that their
+        # latency overlaps them: loaded after, the added read cost 0.4 ms at 64K/128 for 0.16 ms of traffic
+        # (docs/history.md v9). Both stay in their storage dtype until used: widened early, they spilled
+        # registers at occupancy 4 (ncu, v11).
         xs = ct.load(x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
-        if has_base != 0:
-            base = ct.load(g_x_base, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
+        if add_into != 0:
+            base = ct.load(g_x, (b, row, h, pt), shape=(1, BL, 1, TP), padding_mode=_ZERO).reshape((BL, TP))
         else:
-            base = ct.zeros((BL, TP), dtype=g_x_base.dtype)
+            base = ct.zeros((BL, TP), dtype=g_x.dtype)
         m = ct.zeros((BL, TP), dtype=ct.float32)
         for nt in range(n_ntiles):
             bs = ct.load(B, (b, row, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))

@@ -3,7 +3,7 @@ opcheck trace the ops through these."""
 
 from __future__ import annotations
 
-from .validate import check_state_bwd_options
+from .validate import check_chunk_state_bwd, check_state_passing_bwd
 from .shapes import (compute_dtype, cumsum_shape, decode_state_shape, final_states_shape, states_shape,
                      varlen_states_shape)
 
@@ -43,10 +43,22 @@ def chunk_cumsum_bwd(g_dt_out, g_dA_cumsum, dt, A, dt_bias, chunk_size, dt_softp
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None, g_x_base=None):
-    check_state_bwd_options(states, g_x_base, g_states, x)
+                       cu_seqlens):
     return (x.new_empty(x.shape), B.new_empty(B.shape), dt_out.new_empty(dt_out.shape),
             dA_cumsum.new_empty(dA_cumsum.shape), _like(initial_states, g_states))
+
+
+def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dtype):
+    check_state_passing_bwd(g_states, g_final, states, dA_cumsum, g_local_dtype)
+    b, c, h, p, n = g_states.shape
+    acc = dA_cumsum.dtype
+    return (g_states.new_empty((b, c, h, p, n), dtype=g_local_dtype), g_states.new_empty((b, h, c), dtype=acc),
+            g_states.new_empty((b, h, p, n), dtype=acc))
+
+
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
+    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x)
+    return B.new_empty(B.shape), dt_out.new_empty(dt_out.shape), dA_cumsum.new_empty(dA_cumsum.shape)
 
 
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):

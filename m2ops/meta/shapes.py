@@ -21,6 +21,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def g_local_dtype(x_dtype: torch.dtype, B_dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """dtype of the chunks' local-state gradients between the two stages of fwd_pass_state's backward: bfloat16
+    for bfloat16 x and B, whose products with it round it to bfloat16 anyway (half the bytes of the stage's
+    largest array), else the accumulation dtype acc."""
+    return torch.bfloat16 if torch.promote_types(x_dtype, B_dtype) == torch.bfloat16 else acc
+
+
 def cumsum_shape(batch, seqlen, nheads, chunk_size):
     """dt_out and dA_cumsum: (batch, nheads, nchunks, chunk_size)."""
     return (batch, nheads, num_chunks(seqlen, chunk_size), chunk_size)

@@ -110,18 +110,31 @@ def check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     _check_dt_limit(dt_limit)
 
 
-def check_state_bwd_options(states, g_x_base, g_states, x, where="m2ops::fwd_pass_state_bwd"):
-    """The optional arguments of the fwd_pass_state backward op: `states`, the forward's entering states laid
-    out as their gradient g_states (batch, nchunks, nheads, headdim, dstate), and `g_x_base`, a gradient of x
-    to add into the op's own (x's shape)."""
-    if states is not None:
-        _tensor("states", states, FLOAT_DTYPES, "floating", where)
-        _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
-        _device("states", states, x.device, where)
-    if g_x_base is not None:
-        _tensor("g_x_base", g_x_base, FLOAT_DTYPES, "floating", where)
-        _shape("g_x_base", g_x_base, x.shape, "x's (batch, seqlen, nheads, headdim)", where)
-        _device("g_x_base", g_x_base, x.device, where)
+def check_state_passing_bwd(g_states, g_final, states, dA_cumsum, g_local_dtype,
+                            where="m2ops::state_passing_bwd"):
+    """The reverse recurrence's inputs beside the cotangents: `states`, the forward's entering states laid out as
+    their gradient g_states (batch, nchunks, nheads, headdim, dstate), g_final one chunk's worth, and
+    g_local_dtype, a floating dtype."""
+    _tensor("states", states, FLOAT_DTYPES, "floating", where)
+    _shape("states", states, g_states.shape, "g_states's (batch, nchunks, nheads, headdim, dstate)", where)
+    _device("states", states, g_states.device, where)
+    b, c, h, p, n = g_states.shape
+    _shape("g_final", g_final, (b, h, p, n), "(batch, nheads, headdim, dstate)", where)
+    _shape("dA_cumsum", dA_cumsum, (b, h, c, dA_cumsum.shape[-1]), "(batch, nheads, nchunks, chunk_size)", where)
+    if not (isinstance(g_local_dtype, torch.dtype) and g_local_dtype.is_floating_point):
+        _fail(TypeError, "g_local_dtype", "a floating torch.dtype", g_local_dtype, where)
+
+
+def check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x, where="m2ops::chunk_state_bwd"):
+    """`g_x`, the gradient of x this op adds into (x's shape and device, floating), and g_local and g_carry as
+    state_passing_bwd gives them."""
+    _tensor("g_x", g_x, FLOAT_DTYPES, "floating", where)
+    _shape("g_x", g_x, x.shape, "x's (batch, seqlen, nheads, headdim)", where)
+    _device("g_x", g_x, x.device, where)
+    b, _, h, p = x.shape
+    c = dt_out.shape[2]
+    _shape("g_carry", g_carry, (b, h, c), "(batch, nheads, nchunks)", where)
+    _shape("g_local", g_local, (b, c, h, p, B.shape[-1]), "(batch, nchunks, nheads, headdim, dstate)", where)
 
 
 def _check_head_params(D, dt_bias, h, p, where=_WHERE):

@@ -3,7 +3,8 @@ but not the state entering every chunk (the public function without return_varle
 
 On CUDA it runs the fused kernels of m2ops/kernels/segments.py, which never write per-chunk states; its math
 is the reference composition of the two ops. Its backward recomputes the per-chunk states once with the
-fwd_pass_state op and runs the two ops' backward ops on them, so gradients are exactly theirs.
+fwd_pass_state op and runs the two ops' backward ops on them (fwd_pass_state's in its two stages), so gradients
+are exactly theirs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ..meta import fake
 from . import dispatch
 from ..reference import chunked as ref
 from .compute_out import compute_out_bwd
-from .fwd_pass_state import fwd_pass_state, fwd_pass_state_bwd
+from ..meta.shapes import g_local_dtype
+from .fwd_pass_state import chunk_state_bwd, fwd_pass_state, state_passing_bwd
 
 
 @custom_op("m2ops::chunk_scan", mutates_args=())
@@ -41,37 +43,41 @@ def _setup(ctx, inputs, output):
 
 def backward_with(impl, saved, g_y, g_final, states=None):
     """The gradients of chunk_scan's inputs from its saved inputs, through impl's fwd_pass_state,
-    compute_out_bwd and fwd_pass_state_bwd: this module's ops (the op's autograd) or the launchers themselves
-    (m2ops/ops/eager.py), the same composition either way. states: the entering states the forward kept
-    (launchers only: the forward's bfloat16 copy), else recomputed here in float32."""
+    compute_out_bwd, state_passing_bwd and chunk_state_bwd: this module's ops (the op's autograd) or the
+    launchers themselves (m2ops/ops/eager.py), the same composition either way. states: the entering states the
+    forward kept (launchers only: the forward's bfloat16 copy), else recomputed here in float32."""
     x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx = saved
     if states is None:
         with torch.no_grad():
-            states, _, varlen = impl.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)
+            states = impl.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)[0]
         out_bwd_kwargs = {}
     else:
-        varlen = g_final.new_empty((0, *g_final.shape[1:]))
         out_bwd_kwargs = {"g_states_dtype": torch.float32}  # the recurrence's gradient stays float32
     g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = impl.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
                                                                          D, z, seq_idx, **out_bwd_kwargs)
-    # The states serve fwd_pass_state_bwd too (freed when the backward returns), and it adds compute_out_bwd's
-    # g_x into its own where it writes it (one pass over a (T, H, P) array, not three).
-    g_x, g_B2, g_dt2, g_dA2, g_init = impl.fwd_pass_state_bwd(g_states, g_final, torch.zeros_like(varlen), x, B,
-                                                              dt_out, dA_cumsum, initial_states, seq_idx, None,
-                                                              states, g_x)
+    g_local, g_carry, g_init = impl.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
+                                                      g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
+    # The entering states and their gradients (two (b, c, h, p, n) float32 arrays where recomputed) are freed
+    # before the per-token stage, where a training step's memory peaks; that stage adds its gradient of x into
+    # compute_out_bwd's (one buffer, one pass).
+    del states, g_states
+    g_B2, g_dt2, g_dA2 = impl.chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
+    del g_local, g_carry
     return (g_x, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
-            g_init if initial_states is not None else None,
+            g_init.to(initial_states.dtype) if initial_states is not None else None,
             g_D if D is not None else None, g_z if z is not None else None, None)
 
 
-class _Ops:
+class RegisteredOps:
+    """The ops backward_with composes, as registered (each picks kernels or reference)."""
     fwd_pass_state = staticmethod(fwd_pass_state)
     compute_out_bwd = staticmethod(compute_out_bwd)
-    fwd_pass_state_bwd = staticmethod(fwd_pass_state_bwd)
+    state_passing_bwd = staticmethod(state_passing_bwd)
+    chunk_state_bwd = staticmethod(chunk_state_bwd)
 
 
 def _backward(ctx, g_y, g_final):
-    return backward_with(_Ops, ctx.saved_tensors, g_y, g_final)
+    return backward_with(RegisteredOps, ctx.saved_tensors, g_y, g_final)
 
 
 chunk_scan.register_autograd(_backward, setup_context=_setup)

@@ -84,7 +84,8 @@ class _Launchers:
     chunk_scan = staticmethod(_launcher("chunk_scan"))
     fwd_pass_state = staticmethod(_launcher("fwd_pass_state"))
     compute_out_bwd = staticmethod(_launcher("compute_out_bwd"))
-    fwd_pass_state_bwd = staticmethod(_launcher("fwd_pass_state_bwd"))
+    state_passing_bwd = staticmethod(_launcher("state_passing_bwd"))
+    chunk_state_bwd = staticmethod(_launcher("chunk_state_bwd"))
     chunk_cumsum_bwd = staticmethod(_launcher("chunk_cumsum_bwd"))
 
 

@@ -40,10 +40,8 @@ from torch.library import custom_op
 from ..meta import mixer as meta
 from ..meta.mixer import sizes, split_xbc, split_zxbcdt
 from .chunk_cumsum import chunk_cumsum, chunk_cumsum_bwd
-from .chunk_scan import backward_with, chunk_scan
-from .compute_out import compute_out_bwd
+from .chunk_scan import RegisteredOps, backward_with, chunk_scan
 from .conv1d import causal_conv1d, causal_conv1d_bwd
-from .fwd_pass_state import fwd_pass_state, fwd_pass_state_bwd
 from .gated_norm import rms_norm_gated, rms_norm_gated_bwd
 
 
@@ -57,13 +55,6 @@ def _conv(xBC, conv_weight, conv_bias, seq_idx, conv_init):
 def _scan_gate(z, s, norm_weight):
     """The gate the scan applies: z where there is no norm (the norm takes it otherwise)."""
     return None if norm_weight is not None else z.unflatten(-1, (s.nheads, s.headdim))
-
-
-class _RegisteredOps:
-    """The ops chunk_scan.backward_with composes, as registered (each picks kernels or reference)."""
-    fwd_pass_state = staticmethod(fwd_pass_state)
-    compute_out_bwd = staticmethod(compute_out_bwd)
-    fwd_pass_state_bwd = staticmethod(fwd_pass_state_bwd)
 
 
 @custom_op("m2ops::mixer", mutates_args=())
@@ -135,7 +126,7 @@ def mixer_bwd(g_out: Tensor, zxbcdt: Tensor, y: Tensor, conv_weight: Tensor, con
     dt_out, dA_cumsum = chunk_cumsum(dt, A, dt_bias, chunk_size, True, dt_min, dt_max)
     g_final = dt_out.new_zeros((x.shape[0], s.nheads, s.headdim, s.d_state))
     g_x, g_dt_out, g_dA, g_B, g_C, g_ssm_init, g_D, g_zs, _ = backward_with(
-        _RegisteredOps, (x, dt_out, dA_cumsum, B, C, ssm_initial_states, D, _scan_gate(z, s, norm_weight), seq_idx),
+        RegisteredOps, (x, dt_out, dA_cumsum, B, C, ssm_initial_states, D, _scan_gate(z, s, norm_weight), seq_idx),
         g_y.unflatten(-1, (s.nheads, s.headdim)), g_final)
     del x, B, C, g_y, g_final
     if norm_weight is None:

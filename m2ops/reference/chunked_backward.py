@@ -119,12 +119,11 @@ def token_weight_grads(g_w, decay, w, g_carry, carry):
 
 
 def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, seq_idx,
-                       cu_seqlens, states=None, g_x_base=None):
+                       cu_seqlens):
     """Gradients of x, B, dt_out, dA_cumsum and initial_states (an empty tensor like g_states when it is
-    None). Uses the entering states where given, else recomputes them (the forward recurrence). g_x_base: a
-    gradient of x from elsewhere (compute_out's), added into the returned one."""
+    None): the entering states recomputed (the forward recurrence), the varlen states' gradients folded in,
+    then state_passing_bwd and chunk_state_bwd."""
     b, T, h, p = x.shape
-    g, n = B.shape[2:]
     L = dt_out.shape[-1]
     nc = dt_out.shape[2]
     acc = dt_out.dtype
@@ -132,31 +131,42 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     Bc = to_chunks(B.to(acc), L)  # b c l g n
     cs = dA_cumsum.to(acc)
     decay, carry = chunk_end_decays(cs, seq_idx, L)  # b h c l, b h c
-    w = decay * dt_out.to(acc)
-    w_t = w.permute(0, 2, 3, 1)  # b c l h
-
-    if states is not None:
-        states = states.to(acc)
-    else:  # the forward recurrence again: the backward needs every entering state S_c
-        local = torch.einsum("bclgrp,bclgn->bcgrpn", by_group(xc * w_t[..., None], g, 3), Bc).flatten(2, 3)
-        s = initial_states.to(acc) if initial_states is not None else x.new_zeros((b, h, p, n), dtype=acc)
-        entering = []
-        for c in range(nc):
-            entering.append(s)
-            s = carry[:, :, c, None, None] * s + local[:, c]
-        states = torch.stack(entering, dim=1) if nc else x.new_zeros((b, 0, h, p, n), dtype=acc)
+    w_t = (decay * dt_out.to(acc)).permute(0, 2, 3, 1)  # b c l h
+    # the forward recurrence again: the backward needs every entering state S_c
+    local = torch.einsum("bclgrp,bclgn->bcgrpn", by_group(xc * w_t[..., None], B.shape[2], 3), Bc).flatten(2, 3)
+    s = initial_states.to(acc) if initial_states is not None else x.new_zeros((b, h, p, B.shape[-1]), dtype=acc)
+    entering = []
+    for c in range(nc):
+        entering.append(s)
+        s = carry[:, :, c, None, None] * s + local[:, c]
+    states = torch.stack(entering, dim=1) if nc else x.new_zeros((b, 0, h, p, B.shape[-1]), dtype=acc)
 
     g_st = g_states.to(acc)
-    g_x = torch.zeros_like(xc)
-    g_B = torch.zeros_like(Bc)
-    g_dt = torch.zeros_like(w)
-    g_cs = torch.zeros_like(w)
+    g_x, g_B = torch.zeros_like(xc), torch.zeros_like(Bc)
+    g_dt, g_cs = torch.zeros_like(decay), torch.zeros_like(decay)
     if cu_seqlens is not None and g_varlen.numel():
         g_st = g_st.clone()
         _varlen_states_bwd(g_varlen.to(acc), xc, Bc, dt_out.to(acc), cs, states, cu_seqlens,
                            g_st, g_x, g_B, g_dt, g_cs)
+    g_local, g_carry, g_init = state_passing_bwd(g_st, g_final, states, cs, seq_idx, acc)
+    g_x = _unchunk(g_x, T)
+    g_B2, g_dt2, g_cs2 = chunk_state_bwd(g_local, g_carry, x.to(acc), B.to(acc), dt_out.to(acc), cs, seq_idx, g_x)
+    grads = (g_x, _unchunk(g_B, T) + g_B2, g_dt + g_dt2, g_cs + g_cs2)
+    inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states)
+    dtypes = (x.dtype, B.dtype, dt_out.dtype, dA_cumsum.dtype)
+    if initial_states is None:
+        return _finish(grads + (g_states.new_empty((0,)),), inputs, dtypes + (g_states.dtype,))
+    return _finish(grads + (g_init,), inputs, dtypes + (initial_states.dtype,))
 
-    # Reverse recurrence: gS_c = gstates[c] + carry_c gS_{c+1}, from gS_C = gfinal.
+
+def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dtype):
+    """The reverse recurrence, from gS_C = g_final: (g_local (b, c, h, p, n) in g_local_dtype, the gradient of
+    each chunk's local state; g_carry (b, h, c), of each chunk's carry; g_init (b, h, p, n), of the initial
+    state), the last two in dA_cumsum's dtype. states: the entering states (b, c, h, p, n)."""
+    acc = dA_cumsum.dtype
+    nc = dA_cumsum.shape[2]
+    _, carry = chunk_end_decays(dA_cumsum, seq_idx, dA_cumsum.shape[-1])
+    states, g_st = states.to(acc), g_states.to(acc)
     gS = g_final.to(acc)
     g_local = [None] * nc
     g_carry = [None] * nc
@@ -164,27 +174,33 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         g_local[c] = gS
         g_carry[c] = (gS * states[:, c]).sum((-2, -1))  # b h
         gS = g_st[:, c] + carry[:, :, c, None, None] * gS
-    g_init = gS
+    b, h, p, n = g_final.shape
+    g_local = torch.stack(g_local, dim=1) if nc else g_final.new_zeros((b, 0, h, p, n), dtype=acc)
+    g_carry = torch.stack(g_carry, dim=2) if nc else g_final.new_zeros((b, h, 0), dtype=acc)
+    return _finish((g_local, g_carry, gS), (g_states, g_final, states, dA_cumsum), (g_local_dtype, acc, acc))
 
-    if nc:
-        gl = by_group(torch.stack(g_local, dim=1), g, 2)  # b c g r p n
-        gLB = torch.einsum("bcgrpn,bclgn->bclgrp", gl, Bc).flatten(3, 4)  # b c l h p: sum_n glocal B_l
-        g_x = g_x + gLB * w_t[..., None]
-        g_B = g_B + torch.einsum("bcgrpn,bclgrp->bclgn", gl, by_group(xc * w_t[..., None], g, 3))
-        g_w = (gLB * xc).sum(-1).permute(0, 3, 1, 2)  # b h c l
-        d_dt, d_cs = token_weight_grads(g_w, decay, w, torch.stack(g_carry, dim=2), carry)
-        g_dt = g_dt + d_dt
-        g_cs = g_cs + d_cs
 
-    inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states, g_x_base)
-    g_x = _unchunk(g_x, T)
-    if g_x_base is not None:
-        g_x = g_x + g_x_base.to(acc)
-    grads = (g_x, _unchunk(g_B, T), g_dt, g_cs)
-    dtypes = (x.dtype, B.dtype, dt_out.dtype, dA_cumsum.dtype)
-    if initial_states is None:
-        return _finish(grads + (g_states.new_empty((0,)),), inputs, dtypes + (g_states.dtype,))
-    return _finish(grads + (g_init,), inputs, dtypes + (initial_states.dtype,))
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
+    """Through each chunk's local state sum_l w_l x_l (x) B_l and its carry, from state_passing_bwd's g_local
+    and g_carry: adds x's gradient into g_x (b, T, h, p), in place, and returns those of B, dt_out and
+    dA_cumsum."""
+    b, T, h, p = x.shape
+    g = B.shape[2]
+    L = dt_out.shape[-1]
+    acc = dt_out.dtype
+    xc = to_chunks(x.to(acc), L)  # b c l h p
+    Bc = to_chunks(B.to(acc), L)  # b c l g n
+    decay, carry = chunk_end_decays(dA_cumsum.to(acc), seq_idx, L)
+    w = decay * dt_out.to(acc)
+    w_t = w.permute(0, 2, 3, 1)  # b c l h
+    gl = by_group(g_local.to(acc), g, 2)  # b c g r p n
+    gLB = torch.einsum("bcgrpn,bclgn->bclgrp", gl, Bc).flatten(3, 4)  # b c l h p: sum_n glocal B_l
+    g_x.add_(_unchunk(gLB * w_t[..., None], T).to(g_x.dtype))
+    g_B = torch.einsum("bcgrpn,bclgrp->bclgn", gl, by_group(xc * w_t[..., None], g, 3))
+    g_w = (gLB * xc).sum(-1).permute(0, 3, 1, 2)  # b h c l
+    g_dt, g_cs = token_weight_grads(g_w, decay, w, g_carry.to(acc), carry)
+    return _finish((_unchunk(g_B, T), g_dt, g_cs), (g_local, g_carry, x, B, dt_out, dA_cumsum, g_x),
+                   (B.dtype, dt_out.dtype, dA_cumsum.dtype))
 
 
 def _varlen_states_bwd(gV, xc, Bc, dt_out, cs, states, cu_seqlens, g_st, g_x, g_B, g_dt, g_cs):
