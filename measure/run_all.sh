@@ -11,7 +11,8 @@
 # docs/validation.md's next GPU run: decode (measure/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep
 # (graph_scan.py at 1K), backward_sweep (backward_scan.py): the occupancy hints of specialise._OCCUPANCY_ANY_CHUNK
 # against none and against occupancy 8; conv_variants, norm_variants (the norm's backward against a one-pass
-# kernel), serve_variants (chunked prefill's start-state corrections) and layer_memory (a training step's peak).
+# kernel), serve_variants (chunked prefill's start-state corrections), layer_memory (a training step's peak) and
+# grad_assembly (the mixer backward's gradient buffers from their pieces).
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
 # that need no timing: e.g. --parallel kernels backward state_update models, about 6 minutes on a fresh H200).
 # The test steps tune into a tuning cache of their own, so that a benchmark run after them on the same machine
@@ -80,6 +81,7 @@ step() {
     norm_variants) run norm_variants 150 python measure/norm_variants.py --backward --json "$OUT/norm_bwd_variants.json" ;;
     serve_variants) run serve_variants 120 python measure/serve_variants.py --json "$OUT/serve_variants.json" ;;
     layer_memory) run layer_memory 90 python measure/layer_memory.py --json "$OUT/layer_memory.json" ;;
+    grad_assembly) run grad_assembly 60 python measure/grad_assembly.py --json "$OUT/grad_assembly.json" ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
 }
