@@ -64,6 +64,7 @@ _OTHER_HALF = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, tor
     dict(rows="int32"),
     dict(D="hp", z=True, dt_bias=True, softplus=True, limit=(0.01, 0.5), rows="int64", out=True),
     dict(D="h", state_dtype="act", transposed=True),
+    dict(D="h_expanded", rows="int32", out=True),  # mamba_ssm's (nheads, headdim) broadcast of one D per head
     # through conversions: a state of another dtype (a float32 copy written back), B and C in float32 (y through a
     # float32 copy of out)
     dict(rows="int32", state_dtype="other", bc32=True, out=True),
@@ -90,7 +91,8 @@ def test_state_update_inplace(dtype, dstate, opts):
         A=-torch.exp(torch.rand(h, generator=g) * math.log(8.0)),
         B=torch.randn(b, G, dstate, generator=g).to(bc_dtype),
         C=torch.randn(b, G, dstate, generator=g).to(bc_dtype),
-        D={None: None, "h": torch.randn(h, generator=g), "hp": torch.randn(h, p, generator=g)}[opts.get("D")],
+        D={None: None, "h": torch.randn(h, generator=g), "hp": torch.randn(h, p, generator=g),
+           "h_expanded": torch.randn(h, 1, generator=g).expand(h, p)}[opts.get("D")],
         z=torch.randn(b, h, p, generator=g).to(dtype) if opts.get("z") else None,
         dt_bias=torch.randn(h, generator=g) if opts.get("dt_bias") else None,
         state_batch_indices=rows,
@@ -112,3 +114,15 @@ def test_state_update_inplace(dtype, dstate, opts):
     assert torch.equal(got_cache[others], cache[others])
     skipped = [i for i in range(b) if i not in used]
     assert torch.equal(got_out[skipped], out0[skipped])
+
+
+def test_d_broadcast_per_head_is_read_without_a_copy():
+    """D as mamba_ssm's decode callers pass it, (nheads, headdim) expanded from one value per head, reaches the
+    kernels as a per-head view of the caller's storage (a copy would be one more kernel per decoded token)."""
+    from m2ops.kernels.runtime import d_arg
+    per_head = torch.randn(4, 1)
+    Dk, has_d = d_arg(per_head.expand(4, 24), torch.empty(1))
+    assert has_d == 1 and Dk.data_ptr() == per_head.data_ptr() and torch.equal(Dk[:, 0], per_head[:, 0])
+    full = torch.randn(4, 24)
+    Dk, has_d = d_arg(full, torch.empty(1))
+    assert has_d == 2 and Dk.data_ptr() == full.data_ptr()

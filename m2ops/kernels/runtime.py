@@ -68,6 +68,8 @@ def d_arg(D, like):
     value per head as a float32 (nheads, 1) view, 2 float32 (nheads, headdim)."""
     if D is None:
         return dummy(like, torch.float32, 2), 0
+    if D.dim() == 2 and D.shape[1] > 1 and D.stride(1) == 0:
+        D = D[:, 0]  # one value per head broadcast along headdim (mamba_ssm's decode form): no copy per call
     Dk = as_dtype(D, torch.float32)
     return (Dk.unsqueeze(1), 1) if Dk.dim() == 1 else (Dk, 2)
 
