@@ -276,12 +276,19 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     runtime.launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
                    (G, xk, dtk, csk, cb, seq, g_cb_part, p_cs[0], p_cs[1], T, g, h // g, n_ptiles, n_split, *consts3))
     g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
+    # Scratch is released as soon as its last reader is queued, so that the allocator reuses it for the arrays
+    # below (the layer's training step peaks in this function: measure/memory_replay.py).
+    g_cs = p_cs.sum((0, 3))
+    del cb, g_cb_part, p_cs
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_cs_inter = torch.empty((b, h, n_ntiles, n_rblocks * BL), dtype=torch.float32, device=dev)
     runtime.launch((n_rblocks * g * n_ntiles, b, 1), hinted("out_bwd_dcdb"),
                    (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, g_cs_inter, T, g, h // g, n_ptiles, n_ntiles, *consts4))
+    del g_cb
+    g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
+    del g_cs_inter
 
     g_S = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
     runtime.launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted("out_bwd_dstates"),
@@ -297,8 +304,6 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
             g_D = g_D_part.sum((0, 1))  # (h, p)
         g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
     g_dt = g_dt_part.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
-    g_cs = p_cs.sum((0, 3))
-    g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
     g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     g_S = g_S.to(g_states_dtype or states.dtype)

@@ -45,8 +45,12 @@ def backward_with(impl, saved, g_y, g_final, states=None):
     """The gradients of chunk_scan's inputs from its saved inputs, through impl's fwd_pass_state,
     compute_out_bwd, state_passing_bwd and chunk_state_bwd: this module's ops (the op's autograd) or the
     launchers themselves (m2ops/ops/eager.py), the same composition either way. states: the entering states the
-    forward kept (launchers only: the forward's bfloat16 copy), else recomputed here in float32."""
+    forward kept (launchers only: the forward's bfloat16 copy), else recomputed here in float32. g_y: y's
+    gradient, or a list holding it alone, which is emptied once compute_out_bwd has read it (a caller that keeps
+    no other reference frees it there, before the later stages allocate: the layer's backward)."""
     x, dt_out, dA_cumsum, B, C, initial_states, D, z, seq_idx = saved
+    if isinstance(g_y, list):
+        g_y = g_y.pop()
     if states is None:
         with torch.no_grad():
             states = impl.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx, None)[0]
@@ -55,6 +59,7 @@ def backward_with(impl, saved, g_y, g_final, states=None):
         out_bwd_kwargs = {"g_states_dtype": torch.float32}  # the recurrence's gradient stays float32
     g_x, g_dt, g_dA, g_C, g_B, g_states, g_D, g_z = impl.compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states,
                                                                          D, z, seq_idx, **out_bwd_kwargs)
+    del g_y
     g_local, g_carry, g_init = impl.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
                                                       g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
     # The entering states and their gradients (two (b, c, h, p, n) float32 arrays where recomputed) are freed

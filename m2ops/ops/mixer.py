@@ -125,10 +125,12 @@ def mixer_bwd(g_out: Tensor, zxbcdt: Tensor, y: Tensor, conv_weight: Tensor, con
     x, B, C = split_xbc(_conv(xBC, conv_weight, conv_bias, seq_idx, conv_initial_states), s)
     dt_out, dA_cumsum = chunk_cumsum(dt, A, dt_bias, chunk_size, True, dt_min, dt_max)
     g_final = dt_out.new_zeros((x.shape[0], s.nheads, s.headdim, s.d_state))
+    g_ys = [g_y.unflatten(-1, (s.nheads, s.headdim))]  # (emptied by backward_with once read: freed early)
+    del g_y
     g_x, g_dt_out, g_dA, g_B, g_C, g_ssm_init, g_D, g_zs, _ = backward_with(
         RegisteredOps, (x, dt_out, dA_cumsum, B, C, ssm_initial_states, D, _scan_gate(z, s, norm_weight), seq_idx),
-        g_y.unflatten(-1, (s.nheads, s.headdim)), g_final)
-    del x, B, C, g_y, g_final
+        g_ys, g_final)
+    del x, B, C, g_final
     if norm_weight is None:
         g_z = g_zs.flatten(-2)
     del g_zs
