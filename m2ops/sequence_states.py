@@ -12,9 +12,10 @@ sequence k spanning tokens [s_k, e_k), h_k reaches its token t as exp(P_t - P_{s
 - to the final state of sequence k: exp(P_{e_k-1} - P_{s_k-1}) h_k.
 
 The chunk states and the output come from the ops (cuTile kernels on CUDA, the reference elsewhere), unchanged;
-the three corrections are PyTorch operations on the GPU: their sizes come from the shapes alone, so a call makes
-no host synchronisation and can be captured in a CUDA graph, and autograd differentiates them (the gradient of
-h_k and of dt, A through the decays). The extra work is one pass over the entering states and a (sequences x
+the second correction is an op of its own (m2ops::start_state_out: a kernel on CUDA, one program per sequence, head
+and headdim tile), the other two PyTorch operations. Their sizes come from the shapes alone, so a call makes no host
+synchronisation and can be captured in a CUDA graph, and autograd differentiates them (the gradient of h_k and of
+dt, A through the decays). The extra work is one pass over the entering states, a copy of y and a (sequences x
 chunk_size) window of tokens per call; the default path (no per-sequence states) does not come here.
 """
 
@@ -43,8 +44,6 @@ class SequenceIndex(NamedTuple):
     start: torch.Tensor   # (num_sequences,) s_k
     end: torch.Tensor     # (num_sequences,) e_k
     owner: torch.Tensor   # (nchunks,) the sequence whose state enters chunk c
-    window: torch.Tensor  # (num_sequences - 1, chunk_size) tokens s_k + j of sequences k >= 1 (clamped in range)
-    inside: torch.Tensor  # (num_sequences - 1, chunk_size) whether s_k + j is in sequence k and in its first chunk
 
 
 def sequence_index(cu_seqlens, seq_idx, seqlen: int, chunk_size: int) -> SequenceIndex:
@@ -55,11 +54,7 @@ def sequence_index(cu_seqlens, seq_idx, seqlen: int, chunk_size: int) -> Sequenc
     nchunks = num_chunks(seqlen, L)
     last_of_chunk = seq_idx[0, L - 1::L][:nchunks - 1].long()  # the sequence of token cL - 1, c >= 1
     owner = torch.cat([last_of_chunk.new_zeros(1), last_of_chunk])
-    s = start[1:]
-    j = torch.arange(L, device=cu.device)
-    tok = s[:, None] + j
-    stop = torch.minimum(end[1:], torch.div(s, L, rounding_mode="floor") * L + L)  # end of its first chunk
-    return SequenceIndex(L, start, end, owner, tok.clamp(max=seqlen - 1), tok < stop[:, None])
+    return SequenceIndex(L, start, end, owner)
 
 
 def _log_decay(dA_cumsum):
@@ -78,27 +73,6 @@ def add_entering(states, init, Pz, index: SequenceIndex):
     at = torch.arange(c, device=Pz.device) * L  # Pz index of P_{cL-1}
     decay = torch.exp(Pz[:, at] - Pz[:, index.start[index.owner]])  # (h, c)
     return states + decay.t().to(states.dtype)[None, :, :, None, None] * init.to(states.dtype)[index.owner][None]
-
-
-def add_first_chunk(y, C, z, init, Pz, index: SequenceIndex, acc):
-    """y (1, T, h, p): plus each sequence k >= 1's start state at its tokens in the chunk where it starts."""
-    if index.window.shape[0] == 0:
-        return y
-    g, h = C.shape[2], init.shape[1]
-    win = index.window
-    expo = Pz[:, win + 1] - Pz[:, index.start[1:]][:, :, None]  # (h, k, L)
-    decay = torch.exp(expo.masked_fill(~index.inside, float("-inf"))).permute(1, 2, 0).to(acc)  # (k, L, h)
-    start_states = init[1:].to(acc).unflatten(1, (g, h // g))  # (k, g, r, p, n)
-    dy = torch.einsum("kjgn,kgrpn->kjgrp", C[0, win].to(acc), start_states).flatten(2, 3) * decay[..., None]
-    if z is not None:
-        dy = dy * F.silu(z[0, win].to(acc))
-    # The windows of different sequences do not overlap; positions outside a window add zero. Without autograd in
-    # place, on compute_out's fresh output (only the windows' rows are touched); autograd forbids that on a custom
-    # op's output, so there the sum is out of place (one copy of y).
-    dy = dy.flatten(0, 1).unsqueeze(0).to(y.dtype)
-    if torch.is_grad_enabled() and y.requires_grad:
-        return y.index_add(1, win.flatten(), dy)
-    return y.index_add_(1, win.flatten(), dy)
 
 
 def add_final(varlen, init, Pz, index: SequenceIndex):
@@ -121,6 +95,6 @@ def scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_
     Pz = _log_decay(dA_cumsum)
     states = add_entering(states, initial_states, Pz, index)
     y = ops.compute_out(x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx)
-    y = add_first_chunk(y, C, z, initial_states, Pz, index, states.dtype)
+    y = ops.start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens)
     varlen = add_final(varlen, initial_states, Pz, index)
     return y, varlen[-1:], varlen

@@ -1,18 +1,12 @@
-"""Chunked prefill with a start state per sequence: the package's start-state corrections (m2ops/sequence_states.py)
-against cheaper formulations of the same sums, timed on one set of inputs:
+"""Chunked prefill with a start state per sequence: the package's entering and final states' corrections
+(m2ops/sequence_states.py) against cheaper formulations of the same sums, timed on one set of inputs:
 
     python measure/serve_variants.py [bench.serve's prefill options, e.g. --sequences 64 --tokens 16384] [--json OUT]
 
 The inputs and the call are m2ops.bench.serve's ("m2ops": mamba_chunk_scan_combined_varlen with initial_states,
 out=, meta). Variants, each patched into m2ops.sequence_states for its timing (harness's rebinding):
-  package         as shipped;
-  lowp_product    the start states' products with C in C's dtype when it is 16-bit (tensor cores, float32
-                  accumulation) instead of a float32 GEMM; the rest as shipped;
-  no_atomics      also the sum into y without atomics when no gradient is recorded: y's rows in the windows
-                  gathered, the corrections added, written back with index_copy_ (each window's rows past its
-                  sequence's first chunk point at its first row and carry that row's value, so repeated indices
-                  write equal values);
-  fused_states    also the entering and final states' corrections as one addcmul each.
+  package         as shipped (the output term is m2ops::start_state_out, a kernel);
+  fused_states    the entering and final states' corrections as one addcmul each.
 Each variant's y and states are compared with the package's (rel_err); eager and CUDA-graph times are
 m2ops.bench.timing's (median of --runs).
 """
@@ -23,37 +17,10 @@ import sys
 
 import harness  # first of the local imports: it puts the repository on sys.path
 import torch
-import torch.nn.functional as F
 from gpu_cases import rel_err
 
 from m2ops import sequence_states as ss
 from m2ops.bench.serve import prefill_calls, timed
-
-
-def first_chunk_lowp(y, C, z, init, Pz, index, acc, no_atomics=False):
-    """ss.add_first_chunk with the product in C's dtype (16-bit C) and, with no_atomics, no index_add_."""
-    if index.window.shape[0] == 0:
-        return y
-    g, h = C.shape[2], init.shape[1]
-    win = index.window
-    expo = Pz[:, win + 1] - Pz[:, index.start[1:]][:, :, None]
-    decay = torch.exp(expo.masked_fill(~index.inside, float("-inf"))).permute(1, 2, 0).to(acc)  # (k, L, h)
-    mm = C.dtype if C.dtype in (torch.bfloat16, torch.float16) else acc
-    start_states = init[1:].to(mm).unflatten(1, (g, h // g))
-    dy = torch.einsum("kjgn,kgrpn->kjgrp", C[0, win].to(mm), start_states).flatten(2, 3).float() * decay[..., None]
-    if z is not None:
-        dy = dy * F.silu(z[0, win].float())
-    if torch.is_grad_enabled() and y.requires_grad:
-        return y.index_add(1, win.flatten(), dy.flatten(0, 1).unsqueeze(0).to(y.dtype))
-    if not no_atomics:
-        return y.index_add_(1, win.flatten(), dy.flatten(0, 1).unsqueeze(0).to(y.dtype))
-    inside = index.inside
-    first = index.start[1:]
-    vals = (y[0, win].float() + dy)  # (k, L, h, p)
-    vals = torch.where(inside[..., None, None], vals, vals[:, :1]).to(y.dtype)
-    idx = torch.where(inside, win, first[:, None])
-    y[0].index_copy_(0, idx.flatten(), vals.flatten(0, 1))
-    return y
 
 
 def entering_fused(states, init, Pz, index):
@@ -71,10 +38,7 @@ def final_fused(varlen, init, Pz, index):
 
 VARIANTS = {
     "package": {},
-    "lowp_product": {"add_first_chunk": first_chunk_lowp},
-    "no_atomics": {"add_first_chunk": lambda *a: first_chunk_lowp(*a, no_atomics=True)},
-    "fused_states": {"add_first_chunk": lambda *a: first_chunk_lowp(*a, no_atomics=True),
-                     "add_entering": entering_fused, "add_final": final_fused},
+    "fused_states": {"add_entering": entering_fused, "add_final": final_fused},
 }
 
 

@@ -1,8 +1,9 @@
-"""Per-sequence start states (m2ops/sequence_states.py) on the forward kernels' outputs, on the emulator: the
-composition as it runs on a GPU (chunk_cumsum, fwd_pass_state with cu_seqlens, compute_out launched; the
-corrections in PyTorch) against the same composition on the reference ops, and against the float64 token loop.
-No kernel changed for this feature: what is checked is that the corrections fit the kernels' layouts and dtypes
-(float32 entering states, y in x's dtype, chunks of a caller's size).
+"""Per-sequence start states (m2ops/sequence_states.py) on the kernels, on the emulator: the composition as it runs
+on a GPU (chunk_cumsum, fwd_pass_state with cu_seqlens, compute_out and start_state_out launched; the entering and
+final states' corrections in PyTorch) against the same composition on the reference ops, and against the float64
+token loop; and start_state_out's kernel alone against its reference, over sequence layouts (sequences starting
+at, inside and across chunk boundaries, one-token sequences, a sequence longer than a chunk), dtypes, z and
+dstate/headdim past one tile.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from m2ops.meta.validate import seq_idx_from_cu_seqlens  # noqa: E402
 from m2ops.reference.naive import naive_scan  # noqa: E402
 
 LAUNCHERS = types.SimpleNamespace(chunk_cumsum=forward.chunk_cumsum, fwd_pass_state=forward.fwd_pass_state,
-                                  compute_out=forward.compute_out)
+                                  compute_out=forward.compute_out, start_state_out=forward.start_state_out)
 
 
 @pytest.mark.parametrize("dtype,chunk,cu", [(torch.bfloat16, 16, [0, 5, 21, 22, 40, 45]),
@@ -53,3 +54,27 @@ def test_composition_on_kernels(dtype, chunk, cu, monkeypatch):
     assert rel_err(v, v_ref) <= TOL["states"][dtype], rel_err(v, v_ref)
     y64, _, v64 = naive_scan(x, dt, A, B, C, D=D, z=z, initial_states=starts, cu_seqlens=cu)
     assert rel_err(y, y64) <= TOL["y"][dtype] and rel_err(v, v64) <= TOL["states"][dtype]
+
+
+@pytest.mark.parametrize("dtype,chunk,lens,h,g,p,n,z", [
+    (torch.bfloat16, 16, [10, 3, 30, 1, 56], 4, 2, 24, 20, True),      # starts inside chunks, one-token sequences
+    (torch.float32, 64, [70, 100, 1, 129], 2, 1, 64, 128, False),     # a window of one token, tiles filled
+    (torch.float16, 64, [64, 66], 2, 1, 16, 200, True),               # a start on a chunk boundary, dstate > a tile
+    (torch.bfloat16, 32, [5, 27, 32, 3], 2, 2, 80, 16, False),        # headdim past one tile
+])
+def test_start_state_out_kernel(dtype, chunk, lens, h, g, p, n, z):
+    from m2ops.reference import start_states
+    gen = torch.Generator().manual_seed(sum(lens))
+    T = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    y = torch.randn(1, T, h, p, generator=gen).to(dtype)
+    C = torch.randn(1, T, g, n, generator=gen).to(dtype)
+    zt = torch.randn(1, T, h, p, generator=gen).to(dtype) if z else None
+    init = torch.randn(len(lens), h, p, n, generator=gen)
+    cs = (-torch.rand(1, h, -(-T // chunk), chunk, generator=gen) * 0.1).cumsum(-1)
+    want = start_states.start_state_out(y, C, zt, init, cs, cu)
+    with emulated_kernels():
+        got = forward.start_state_out(y, C, zt, init, cs, cu)
+    assert got.dtype == dtype and got.shape == y.shape
+    assert rel_err(got, want) <= TOL["y"][dtype], rel_err(got, want)
+    assert torch.equal(got != y, want != y)  # the same tokens changed: the windows, nothing else

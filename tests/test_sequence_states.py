@@ -117,3 +117,43 @@ def test_gradcheck():
         return y, varlen
 
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def _start_state_out_args(lens, chunk, z, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T, h, g, p, n = sum(lens), 4, 2, 3, 5
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return (torch.randn(1, T, h, p, generator=gen, dtype=dtype), torch.randn(1, T, g, n, generator=gen, dtype=dtype),
+            torch.randn(1, T, h, p, generator=gen, dtype=dtype) if z else None,
+            torch.randn(len(lens), h, p, n, generator=gen, dtype=dtype),
+            (-torch.rand(1, h, -(-T // chunk), chunk, generator=gen, dtype=dtype)).cumsum(-1), cu)
+
+
+START_CASES = {"inside_and_across": ([3, 9, 1, 12], 4, True), "on_boundaries": ([4, 8, 4], 4, False),
+               "one_sequence": ([7], 4, True)}
+
+
+@pytest.mark.parametrize("case", START_CASES)
+def test_start_state_out_op(case):
+    """m2ops::start_state_out and its backward op: opcheck (schema, fake, autograd registration), gradcheck in
+    float64, and its output against sequence k's start state carried token by token to its first chunk's tokens."""
+    from m2ops import ops
+    args = _start_state_out_args(*START_CASES[case])
+    torch.library.opcheck(ops.start_state_out, args)
+    g_out = torch.randn_like(args[0])
+    torch.library.opcheck(ops.start_state_out_bwd, (g_out, *args[1:]))
+    leaves = [a.clone().requires_grad_(True) if a is not None and a.is_floating_point() else a for a in args]
+    assert torch.autograd.gradcheck(lambda *t: ops.start_state_out(*t), leaves, eps=1e-6, atol=1e-6, rtol=1e-5)
+    # the term itself, one token at a time: h_k decayed by exp(cs_t - cs_{s_k - 1}) within the chunk, through C_t
+    y, C, z, init, cs, cu = args
+    L, want = cs.shape[-1], y.clone()
+    for k in range(1, init.shape[0]):
+        s, e = int(cu[k]), int(cu[k + 1])
+        c = s // L
+        for t in range(s, min(e, c * L + L)):
+            before = cs[0, :, c, s - c * L - 1] if s > c * L else torch.zeros_like(cs[0, :, c, 0])
+            decay = torch.exp(cs[0, :, c, t - c * L] - before)  # (h,)
+            Ch = C[0, t].repeat_interleave(init.shape[1] // C.shape[2], dim=0)  # (h, n)
+            term = decay[:, None] * torch.einsum("hn,hpn->hp", Ch, init[k])
+            want[0, t] += term * (torch.nn.functional.silu(z[0, t]) if z is not None else 1)
+    torch.testing.assert_close(ops.start_state_out(*args), want, rtol=1e-12, atol=1e-12)

@@ -230,6 +230,22 @@ class _Emu:
         return torch.where(keep, vals, pad)
 
 
+    @staticmethod
+    def scatter(array, indices, value, mask=None, check_bounds=True, latency=None):
+        """array[indices] = value with the indices broadcast together; out-of-bounds and masked-off elements are not
+        written. check_bounds=False with an index outside raises (undefined on a GPU)."""
+        idx = torch.broadcast_tensors(*(torch.as_tensor(i).long() for i in
+                                        (indices if isinstance(indices, tuple) else (indices,))))
+        inside = torch.ones(idx[0].shape, dtype=torch.bool)
+        for i, n in zip(idx, array.shape):
+            inside &= (i >= 0) & (i < n)
+        if not check_bounds and not bool(inside.all()):
+            raise IndexError("scatter with check_bounds=False outside the array")
+        keep = inside if mask is None else inside & torch.as_tensor(mask)
+        vals = torch.as_tensor(value).to(array.dtype).expand(keep.shape)
+        array[tuple(i[keep] for i in idx)] = vals[keep]
+
+
 def run(kernel, grid, args, emu: _Emu):
     """Every program of grid (x, y, z) on the kernel's Python body, in grid order."""
     fn = kernel._pyfunc

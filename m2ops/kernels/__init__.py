@@ -6,6 +6,7 @@ Kernels (one file each, beside nothing but their device helpers):
     state_passing.py   state_passing_kernel   chunk-entering and final states, in place (sequential  } fwd_pass_state
                                               over chunks, parallel over blocks of the state)        } op
     varlen_states.py   varlen_states_kernel   final state of each cu_seqlens sequence
+    start_states.py    start_state_out_kernel packed sequences' own start states at their first chunk's tokens
     chunk_cb.py        chunk_cb_kernel        C . B^T per chunk and group                            } the
     compute_out.py     compute_out_kernel     y, with D and z fused: one program per row block       } compute_out
     compute_out_carry.py compute_out_carry_kernel  the same y, one program per chunk carrying the    } op
@@ -54,12 +55,12 @@ else:
     from .backward import chunk_cumsum_bwd, chunk_state_bwd, compute_out_bwd, fwd_pass_state_bwd, state_passing_bwd
     from .conv import causal_conv1d, causal_conv1d_bwd, causal_conv1d_update
     from .decode import state_update, state_update_inplace
-    from .forward import chunk_cumsum, compute_out, fwd_pass_state
+    from .forward import chunk_cumsum, compute_out, fwd_pass_state, start_state_out
     from .norm import rms_norm_gated, rms_norm_gated_bwd
     from .scan import chunk_scan
     from .specs import all_specs
 
-    __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "chunk_scan", "state_update",
+    __all__ = ["chunk_cumsum", "fwd_pass_state", "compute_out", "start_state_out", "chunk_scan", "state_update",
                "state_update_inplace", "chunk_cumsum_bwd", "fwd_pass_state_bwd", "state_passing_bwd",
                "chunk_state_bwd", "compute_out_bwd",
                "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update",

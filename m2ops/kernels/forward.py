@@ -1,5 +1,6 @@
 """Launchers of the three forward ops of the design: chunk_cumsum, fwd_pass_state (chunk_state then
-state_passing; varlen_states with cu_seqlens) and compute_out (chunk_cb then compute_out or compute_out_carry).
+state_passing; varlen_states with cu_seqlens) and compute_out (chunk_cb then compute_out or compute_out_carry); and start_state_out, the output term of
+packed sequences' own start states (start_states.py).
 Each picks the specialisation (specialise.py), allocates the outputs, and launches on the current stream: no host
 synchronisation and no branching on tensor values, so they run under CUDA-graph capture and inside torch.compile
 graphs. What a launch decides from sizes, dtypes and options is a plan (cumsum_plan, state_plan, out_plan) kept per
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..meta.shapes import cb_shape, cumsum_shape, final_states_shape, num_chunks, states_shape, varlen_states_shape
-from . import config, runtime
+from . import config, runtime, start_states
 from .common import TILE_N, TILE_P, cdiv
 from .runtime import Step, as_dtype, common_dtype, d_arg, dense, dtype_name, dummy, planned, step
 from .specialise import (bounds_checked, cb_dtype_name, chunk_cb_constants, chunk_cumsum_constants,
@@ -239,3 +240,26 @@ def run_out(plan: OutPlan, xk, dtk, csk, Ck, Bk, states, Dk, zk, seq, cb=None, g
     go(plan.compute_out, (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y, Bk) if plan.carry
        else (xk, dtk, csk, Ck, cb, states, Dk, zk, seq, y))
     return y
+
+
+def start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens):
+    """m2ops::start_state_out on the GPU: a copy of y with the term added (in y's dtype). C and z are read in their
+    promoted dtype with y's (converted when they differ), the states in float32 or that dtype, dA_cumsum in float32,
+    cu_seqlens as int32. One launch besides the copy; no host synchronisation."""
+    _, T, h, p = y.shape
+    g, n = C.shape[2], C.shape[3]
+    act = common_dtype(y, C, z)
+    out = y.to(act, memory_format=torch.contiguous_format, copy=True)
+    nseq = initial_states.shape[0]
+    if nseq > 1 and T > 0:
+        L = dA_cumsum.shape[-1]
+        k = start_states.start_state_out_constants(L)
+        Ck = as_dtype(C, act)
+        zk = as_dtype(z, act) if z is not None else dummy(y, act, 4)
+        sk = dense(initial_states) if initial_states.dtype in (act, torch.float32) else as_dtype(
+            initial_states, torch.float32)
+        n_ptiles, n_ntiles = cdiv(p, k["TP"]), cdiv(n, k["TN"])
+        runtime.launch((nseq - 1, h * n_ptiles, 1), hinted_kernel("start_state_out", dtype_name(act), 0),
+                       (Ck, zk, sk, as_dtype(dA_cumsum, torch.float32), as_dtype(cu_seqlens, torch.int32), out,
+                        T, h // g, p, n, n_ptiles, n_ntiles, int(z is not None), L, k["BL"], k["TP"], k["TN"]))
+    return out if out.dtype == y.dtype else out.to(y.dtype)

@@ -25,6 +25,7 @@ from .gated_norm_wide_bwd import gated_norm_wide_bwd_kernel, gated_norm_wide_row
 from .segments import segment_out_kernel, segment_state_kernel
 from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
                              state_passing_bwd_kernel)
+from .start_states import start_state_out_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
 from .state_update_inplace import state_update_inplace_kernel
@@ -37,6 +38,7 @@ _TABLE = {
     "chunk_state_cumsum_cb": (chunk_state_cumsum_cb_kernel, True),
     "state_passing": (state_passing_kernel, True),
     "varlen_states": (varlen_states_kernel, True),
+    "start_state_out": (start_state_out_kernel, False),
     "chunk_cb": (chunk_cb_kernel, True),
     "compute_out": (compute_out_kernel, True),
     "compute_out_carry": (compute_out_carry_kernel, True),

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from . import backward, conv, decode, index_width, norm, specialise
+from . import backward, conv, decode, index_width, norm, specialise, start_states
 from .common import CHUNK_SIZES, INPUT_DTYPES, SEGMENT_NTS, STATE_BLOCKS
 from .registry import KERNELS
 
@@ -140,6 +140,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "varlen_states":
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
                 _INT, _INT)
+    if kernel_name == "start_state_out":
+        return (_a(dt, 4), _a(dt, 4), _a(state_dtype, 4), _a(F32, 4), _a(I32, 1), _a(dt, 4), *(_INT,) * 8)
     if kernel_name == "compute_out":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
                 _a(dt, 4),
@@ -251,6 +253,12 @@ def all_specs() -> list[Spec]:
                                                                      if d != F32)))
             out.append(Spec("varlen_states", dt, specialise.varlen_states_constants(L),
                             _params("varlen_states", dt)))
+            # per-sequence start states: one build per token block, start states in float32 or the activations'
+            if L <= 64:
+                for sd in sorted({F32, dt}):
+                    out.append(Spec("start_state_out", dt, start_states.start_state_out_constants(L),
+                                    _params("start_state_out", dt, state_dtype=sd), _hints("start_state_out", dt, 0),
+                                    dtypes=(("states", sd),) if sd != F32 else ()))
             # C . B^T in float32 for the backward, in specialise.cb_dtype_name's dtype for the forward.
             cbd = specialise.cb_dtype_name(dt)
             for cb_dtype in sorted({F32, cbd}):

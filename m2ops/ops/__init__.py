@@ -8,6 +8,7 @@ state_update (one token, functional, with a backward op) and state_update_inplac
 state cache, in place). The layer's gated RMSNorm: rms_norm_gated, with rms_norm_gated_bwd. The layer's causal
 convolution: causal_conv1d (with causal_conv1d_bwd) and causal_conv1d_update (one token, cache in place).
 The layer from in_proj's output to out_proj's output, recomputing in its backward: mixer, with mixer_bwd.
+Packed sequences' own start states at their first chunk's tokens: start_state_out, with start_state_out_bwd.
 """
 
 from .chunk_cumsum import chunk_cumsum, chunk_cumsum_bwd
@@ -17,6 +18,7 @@ from .conv1d import causal_conv1d, causal_conv1d_bwd, causal_conv1d_update
 from .fwd_pass_state import chunk_state_bwd, fwd_pass_state, fwd_pass_state_bwd, state_passing_bwd
 from .gated_norm import rms_norm_gated, rms_norm_gated_bwd
 from .mixer import mixer, mixer_bwd
+from .start_state_out import start_state_out, start_state_out_bwd
 from .state_update import state_update, state_update_bwd
 from .state_update_inplace import state_update_inplace
 
@@ -24,4 +26,4 @@ __all__ = ["chunk_cumsum", "chunk_cumsum_bwd", "fwd_pass_state", "fwd_pass_state
            "chunk_state_bwd", "compute_out",
            "compute_out_bwd", "chunk_scan", "state_update", "state_update_bwd", "state_update_inplace",
            "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update",
-           "mixer", "mixer_bwd"]
+           "mixer", "mixer_bwd", "start_state_out", "start_state_out_bwd"]
