@@ -1,4 +1,5 @@
-"""The backward kernels (m2ops/kernels/backward.py: chunk_cumsum_bwd, fwd_pass_state_bwd, compute_out_bwd)
+"""The backward kernels (m2ops/kernels/backward.py: chunk_cumsum_bwd, fwd_pass_state_bwd whole and in its two
+stages, compute_out_bwd)
 on a GPU against the reference backward formulas, and the public function's gradients on CUDA (autograd
 through the *_bwd ops, whose CUDA implementations they are) against the reference's on the CPU:
 
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_cases import (STRIDE_CLASSES, kernels_or_reason, make_case, per_head_sum_err,  # noqa: E402
                        per_head_sum_scales, poison_allocator, reference_forward, rel_err, sweep_settings)
 
+from m2ops.meta.shapes import g_local_dtype  # noqa: E402
 from m2ops.reference import chunked_backward as ref_bwd  # noqa: E402
 
 _kernels, _reason = kernels_or_reason()
@@ -87,6 +89,22 @@ def test_backward_kernels_match_reference(kw, separate_carry):
     for name, a, b in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
+    # in its two stages as the scan's backward calls them: from the entering states, x's gradient added into
+    # another op's in place
+    base = cot(case["x"]).to(dtype)
+    g_x = base.clone()
+    with config.override(separate_carry_grad=separate_carry):
+        g_local, g_carry, g_init = backward.state_passing_bwd(
+            args[0], args[1], mid["states"], mid["dA_cumsum"], case["seq_idx"],
+            g_local_dtype(case["x"].dtype, case["B"].dtype, mid["dA_cumsum"].dtype))
+        staged = backward.chunk_state_bwd(g_local, g_carry, case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"],
+                                          case["seq_idx"], g_x)
+    assert rel_err(g_x.float().cpu(), want[0].float() + base.float().cpu()) <= BWD_TOL[dtype]
+    for name, a, b in zip(("g_B", "g_dt_out", "g_dA_cumsum"), staged, want[1:4]):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) <= BWD_TOL[dtype], f"{name} (in two stages): {rel_err(a, b):.3e}"
+    if case["initial_states"] is not None:
+        assert rel_err(g_init.to(want[4].dtype), want[4]) <= BWD_TOL[dtype]
 
 
 @given(cases(), st.sampled_from([None, "h", "hp"]), st.booleans())

@@ -1,6 +1,7 @@
 """The serving interface on a GPU: mamba_chunk_scan_combined_varlen with per-sequence start states (the kernels for
-the chunk states and y, sequence_states.py's corrections in PyTorch), the state cache, out=, and the call with a
-VarlenMeta under a CUDA graph and torch.compile (no host synchronisation).
+the chunk states and y, start_state_out's kernel for the start states' output term, sequence_states.py's entering
+and final states' corrections in PyTorch), the state cache, out=, and the call with a VarlenMeta under a CUDA graph
+and torch.compile (no host synchronisation); start_state_out's kernel alone against its reference.
 
     python -m pytest -q -m gpu tests/gpu/test_varlen_serving_gpu.py
 
@@ -65,6 +66,33 @@ def test_start_states_against_cpu(dtype, chunk, seed):
     assert y.dtype == dtype and v.dtype == torch.float32
     assert rel_err(y, y_ref) <= TOL["y"][dtype], rel_err(y, y_ref)
     assert rel_err(v, v_ref) <= TOL["states"][dtype], rel_err(v, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,chunk,z", [([10, 3, 30, 1, 56, 300, 2], 64, True), ([256, 256, 1, 511], 256, False),
+                                          ([70, 100, 1, 129, 64], 64, True)])
+def test_start_state_out_kernel(dtype, lens, chunk, z):
+    """m2ops::start_state_out's kernel (ct.gather and ct.scatter of the window's rows) against its reference on the
+    CPU: sequences starting inside chunks and on their boundaries, one-token sequences, longer than a chunk."""
+    from m2ops.kernels import forward
+    from m2ops.reference import start_states
+    gen = torch.Generator().manual_seed(len(lens))
+    T, h, g, p, n = sum(lens), 8, 2, 64, 128
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    y = torch.randn(1, T, h, p, generator=gen).to(dtype)
+    C = (torch.randn(1, T, g, n, generator=gen) * n ** -0.25).to(dtype)
+    zt = torch.randn(1, T, h, p, generator=gen).to(dtype) if z else None
+    init = torch.randn(len(lens), h, p, n, generator=gen)
+    cs = (-torch.rand(1, h, -(-T // chunk), chunk, generator=gen) * 0.05).cumsum(-1)
+    want = start_states.start_state_out(y, C, zt, init, cs, cu)
+    poison_allocator()
+    got = forward.start_state_out(*(t.cuda() if t is not None else None for t in (y, C, zt, init, cs, cu)))
+    assert got.dtype == dtype and got.is_cuda
+    assert rel_err(got, want) <= TOL["y"][dtype], rel_err(got, want)
+    tok, inside, _, _ = start_states.windows(cu, T, chunk)
+    outside = torch.ones(T, dtype=torch.bool)
+    outside[tok[inside]] = False
+    assert torch.equal(got.cpu()[0, outside], y[0, outside])  # nothing written outside the windows
 
 
 def test_long_sequences_chunk_128_run_at_256():
