@@ -215,35 +215,33 @@ class _Emu:
     def gather(array, indices, mask=None, padding_value=0, check_bounds=True, latency=None):
         """array[indices] with the indices broadcast together; out-of-bounds (negative included) and masked-off
         elements read padding_value. check_bounds=False with an index outside raises (undefined on a GPU)."""
-        idx = torch.broadcast_tensors(*(torch.as_tensor(i).long() for i in
-                                        (indices if isinstance(indices, tuple) else (indices,))))
-        inside = torch.ones(idx[0].shape, dtype=torch.bool)
-        for i, n in zip(idx, array.shape):
-            inside &= (i >= 0) & (i < n)
-        if not check_bounds and not bool(inside.all()):
-            raise IndexError("gather with check_bounds=False outside the array")
-        keep = inside if mask is None else inside & torch.as_tensor(mask)
+        idx, keep = _indexed(array, indices, mask, check_bounds, "gather")
         pad = torch.as_tensor(padding_value, dtype=array.dtype)
         if array.numel() == 0:
             return pad.expand(keep.shape).clone()
         vals = array[tuple(i.clamp(0, n - 1) for i, n in zip(idx, array.shape))]
         return torch.where(keep, vals, pad)
 
-
     @staticmethod
     def scatter(array, indices, value, mask=None, check_bounds=True, latency=None):
         """array[indices] = value with the indices broadcast together; out-of-bounds and masked-off elements are not
         written. check_bounds=False with an index outside raises (undefined on a GPU)."""
-        idx = torch.broadcast_tensors(*(torch.as_tensor(i).long() for i in
-                                        (indices if isinstance(indices, tuple) else (indices,))))
-        inside = torch.ones(idx[0].shape, dtype=torch.bool)
-        for i, n in zip(idx, array.shape):
-            inside &= (i >= 0) & (i < n)
-        if not check_bounds and not bool(inside.all()):
-            raise IndexError("scatter with check_bounds=False outside the array")
-        keep = inside if mask is None else inside & torch.as_tensor(mask)
+        idx, keep = _indexed(array, indices, mask, check_bounds, "scatter")
         vals = torch.as_tensor(value).to(array.dtype).expand(keep.shape)
         array[tuple(i[keep] for i in idx)] = vals[keep]
+
+
+def _indexed(array, indices, mask, check_bounds, what):
+    """gather's and scatter's indices broadcast together, and which elements they touch: inside the array and
+    where mask (if any) holds."""
+    idx = torch.broadcast_tensors(*(torch.as_tensor(i).long() for i in
+                                    (indices if isinstance(indices, tuple) else (indices,))))
+    inside = torch.ones(idx[0].shape, dtype=torch.bool)
+    for i, n in zip(idx, array.shape):
+        inside &= (i >= 0) & (i < n)
+    if not check_bounds and not bool(inside.all()):
+        raise IndexError(f"{what} with check_bounds=False outside the array")
+    return idx, (inside if mask is None else inside & torch.as_tensor(mask))
 
 
 def run(kernel, grid, args, emu: _Emu):
