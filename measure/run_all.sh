@@ -12,7 +12,9 @@
 # (graph_scan.py at 1K), backward_sweep (backward_scan.py): the occupancy hints of specialise._OCCUPANCY_ANY_CHUNK
 # against none and against occupancy 8; conv_variants, norm_variants (the norm's backward against a one-pass
 # kernel), serve_variants (chunked prefill's start-state corrections), layer_memory (a training step's peak) and
-# grad_assembly (the mixer backward's gradient buffers from their pieces).
+# grad_assembly (the mixer backward's gradient buffers from their pieces); and the targets' benchmarks with their peers:
+# serve_bench (m2ops.bench.serve), layer_bench (m2ops.bench.layer against mamba_ssm's layer, both paths),
+# fwdbwd_bench (m2ops.bench --backward at 4K-64K).
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
 # that need no timing: e.g. --parallel kernels backward state_update models, about 6 minutes on a fresh H200).
 # The test steps tune into a tuning cache of their own, so that a benchmark run after them on the same machine
@@ -82,6 +84,13 @@ step() {
     serve_variants) run serve_variants 120 python measure/serve_variants.py --json "$OUT/serve_variants.json" ;;
     layer_memory) run layer_memory 90 python measure/layer_memory.py --json "$OUT/layer_memory.json" ;;
     grad_assembly) run grad_assembly 60 python measure/grad_assembly.py --json "$OUT/grad_assembly.json" ;;
+    # the benchmarks the open issues' targets are measured by, both peers in the same run
+    serve_bench) run serve_bench 240 python -m m2ops.bench.serve --runs 10 --out "$OUT/serve.json" ;;
+    layer_bench) run layer_bench 420 python -m m2ops.bench.layer --shapes 8x4K,1x64K \
+        --impls m2ops,mamba_ssm,mamba_ssm-memeff --modes forward,train,decode --decode-batches 1,64,256 --runs 5 \
+        --warmup 1 --out "$OUT/layer.json" ;;
+    fwdbwd_bench) run fwdbwd_bench 420 python -m m2ops.bench --backward --seqlens 4K,16K,64K --dstates 64,128,256 \
+        --peers m2ops,mamba_ssm-c128,mamba_ssm-c256,tilegym --runs 10 --out "$OUT/fwdbwd" ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
 }
