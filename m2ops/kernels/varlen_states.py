@@ -3,8 +3,8 @@
 One program per (sequence, head, (headdim tile, dstate tile)). A sequence's final state is the state
 entering the chunk that holds its last token, decayed to that token (kept only when that entering state
 belongs to the sequence: it began before the chunk, or it is sequence 0 at token 0, which owns
-initial_states), plus the sequence's own tokens inside that chunk. Reads the states written by
-fwd_pass_state_kernel, so it runs after it on the same stream; no host loop over sequences.
+initial_states), plus the sequence's own tokens inside that chunk (the token blocks that hold them). Reads the
+states written by fwd_pass_state_kernel, so it runs after it on the same stream; no host loop over sequences.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
     decay = ct.where(owns, exp2(cs_end * LOG2E), 0.0)
     s = ct.load(states, (0, c, h, pt, nt), shape=(1, 1, 1, TP, TN)).reshape((TP, TN)) * decay
 
-    # Only the sub-blocks up to the last token: the ones after it may lie wholly past seqlen.
-    for sb in range(pos_last // BL + 1):
+    # Only the sub-blocks from the sequence's first token in the chunk to its last: those before hold other
+    # sequences' tokens (weight 0), those after may lie wholly past seqlen.
+    for sb in range(ct.maximum(start - c * L, 0) // BL, pos_last // BL + 1):
         cs = ct.load(dA_cumsum, (0, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
         dt = ct.load(dt_out, (0, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
         t = c * L + sb * BL + ct.arange(BL, dtype=ct.int32)
