@@ -34,9 +34,10 @@ def varlen_states_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, states: Bi
     c = last // L
     pos_last = last - c * L
     cs_end = ct.load(dA_cumsum, (0, h, c, pos_last), shape=())
-    owns = (start < c * L) | (start == 0)
-    decay = ct.where(owns, exp2(cs_end * LOG2E), 0.0)
-    s = ct.load(states, (0, c, h, pt, nt), shape=(1, 1, 1, TP, TN)).reshape((TP, TN)) * decay
+    s = ct.zeros((TP, TN), dtype=ct.float32)
+    if (start < c * L) | (start == 0):  # the entering state is the sequence's (read only then)
+        s = ct.load(states, (0, c, h, pt, nt), shape=(1, 1, 1, TP, TN)).reshape((TP, TN)).astype(ct.float32) * exp2(
+            cs_end * LOG2E)
 
     # Only the sub-blocks from the sequence's first token in the chunk to its last: those before hold other
     # sequences' tokens (weight 0), those after may lie wholly past seqlen.
