@@ -71,14 +71,15 @@ def add_entering(states, init, Pz, index: SequenceIndex):
     L = index.chunk_size
     c = states.shape[1]
     at = torch.arange(c, device=Pz.device) * L  # Pz index of P_{cL-1}
-    decay = torch.exp(Pz[:, at] - Pz[:, index.start[index.owner]])  # (h, c)
-    return states + decay.t().to(states.dtype)[None, :, :, None, None] * init.to(states.dtype)[index.owner][None]
+    decay = torch.exp(Pz[:, at] - Pz[:, index.start[index.owner]]).t().to(states.dtype)  # (c, h)
+    # (one pass: addcmul, not a product then a sum)
+    return torch.addcmul(states, decay[None, :, :, None, None], init.to(states.dtype)[index.owner][None])
 
 
 def add_final(varlen, init, Pz, index: SequenceIndex):
     """Per-sequence final states from zero starts -> with each sequence's start state carried to its end."""
-    decay = torch.exp(Pz[:, index.end] - Pz[:, index.start])  # (h, s)
-    return varlen + decay.t().to(varlen.dtype)[..., None, None] * init.to(varlen.dtype)
+    decay = torch.exp(Pz[:, index.end] - Pz[:, index.start]).t().to(varlen.dtype)  # (s, h)
+    return torch.addcmul(varlen, decay[..., None, None], init.to(varlen.dtype))
 
 
 def scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_min,

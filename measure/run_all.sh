@@ -10,8 +10,8 @@
 # an eager forward's host time, step by step), op_times (measure/op_times.py), and the sweeps of
 # docs/validation.md's next GPU run: decode (measure/decode_scan.py), forward_sweep (variants_scan.py), graph_sweep
 # (graph_scan.py at 1K), backward_sweep (backward_scan.py): the occupancy hints of specialise._OCCUPANCY_ANY_CHUNK
-# against none and against occupancy 8; conv_variants, norm_variants (the norm's backward against a one-pass
-# kernel), serve_variants (chunked prefill's start-state corrections), layer_memory (a training step's peak) and
+# against none and against occupancy 8; conv_variants, norm_variants (the wide norm's backward in one pass
+# against two), layer_memory (a training step's peak) and
 # grad_assembly (the mixer backward's gradient buffers from their pieces); and the targets' benchmarks with their peers:
 # serve_bench (m2ops.bench.serve), layer_bench (m2ops.bench.layer against mamba_ssm's layer, both paths),
 # fwdbwd_bench (m2ops.bench --backward at 4K-64K).
@@ -81,7 +81,6 @@ step() {
     conv_variants) run conv_variants 150 python measure/conv_variants.py --tiles 16x64,8x128 --occupancy table,8 \
         --json "$OUT/conv_variants.json" ;;
     norm_variants) run norm_variants 150 python measure/norm_variants.py --backward --json "$OUT/norm_bwd_variants.json" ;;
-    serve_variants) run serve_variants 120 python measure/serve_variants.py --json "$OUT/serve_variants.json" ;;
     layer_memory) run layer_memory 90 python measure/layer_memory.py --json "$OUT/layer_memory.json" ;;
     grad_assembly) run grad_assembly 60 python measure/grad_assembly.py --json "$OUT/grad_assembly.json" ;;
     # the benchmarks the open issues' targets are measured by, both peers in the same run
