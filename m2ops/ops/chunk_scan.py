@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..meta import fake
+from ..meta.shapes import g_local_dtype
 from . import dispatch
 from ..reference import chunked as ref
 from .compute_out import compute_out_bwd
-from ..meta.shapes import g_local_dtype
 from .fwd_pass_state import chunk_state_bwd, fwd_pass_state, state_passing_bwd
 
 
