@@ -1,6 +1,6 @@
 """Launchers of the three forward ops of the design: chunk_cumsum, fwd_pass_state (chunk_state then
-state_passing; varlen_states with cu_seqlens) and compute_out (chunk_cb then compute_out or compute_out_carry); and start_state_out, the output term of
-packed sequences' own start states (start_states.py).
+state_passing; varlen_states with cu_seqlens) and compute_out (chunk_cb then compute_out or compute_out_carry);
+and start_state_out, the output term of packed sequences' own start states (start_states.py).
 Each picks the specialisation (specialise.py), allocates the outputs, and launches on the current stream: no host
 synchronisation and no branching on tensor values, so they run under CUDA-graph capture and inside torch.compile
 graphs. What a launch decides from sizes, dtypes and options is a plan (cumsum_plan, state_plan, out_plan) kept per
@@ -261,5 +261,5 @@ def start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens):
         n_ptiles, n_ntiles = cdiv(p, k["TP"]), cdiv(n, k["TN"])
         runtime.launch((nseq - 1, h * n_ptiles, 1), hinted_kernel("start_state_out", dtype_name(act), 0),
                        (Ck, zk, sk, as_dtype(dA_cumsum, torch.float32), as_dtype(cu_seqlens, torch.int32), out,
-                        T, h // g, p, n, n_ptiles, n_ntiles, int(z is not None), L, k["BL"], k["TP"], k["TN"]))
+                        h // g, p, n_ptiles, n_ntiles, int(z is not None), L, k["BL"], k["TP"], k["TN"]))
     return out if out.dtype == y.dtype else out.to(y.dtype)

@@ -141,7 +141,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
         return (_a(dt, 4), _a(dt, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 1), _a(F32, 4),
                 _INT, _INT)
     if kernel_name == "start_state_out":
-        return (_a(dt, 4), _a(dt, 4), _a(state_dtype, 4), _a(F32, 4), _a(I32, 1), _a(dt, 4), *(_INT,) * 8)
+        return (_a(dt, 4), _a(dt, 4), _a(state_dtype, 4), _a(F32, 4), _a(I32, 1), _a(dt, 4), *(_INT,) * 6)
     if kernel_name == "compute_out":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(dt, 4), _a(cb_dtype, 5), _a(state_dtype, 5), _a(F32, 2),
                 _a(dt, 4),

@@ -24,8 +24,7 @@ from .common import LOG2E, TILE_N, TILE_P, Big, ConstInt, cdiv, exp2, silu, sub_
 
 @ct.kernel
 def start_state_out_kernel(C: Big, z: Big, init: Big, dA_cumsum: Big, cu_seqlens, y: Big,
-                           seqlen: int, heads_per_group: int, headdim: int, dstate: int, n_ptiles: int,
-                           n_ntiles: int, has_z: int, L: int,
+                           heads_per_group: int, headdim: int, n_ptiles: int, n_ntiles: int, has_z: int, L: int,
                            BL: ConstInt, TP: ConstInt, TN: ConstInt):
     k = ct.bid(0) + 1
     pid = ct.bid(1)
