@@ -157,3 +157,30 @@ def test_start_state_out_op(case):
             term = decay[:, None] * torch.einsum("hn,hpn->hp", Ch, init[k])
             want[0, t] += term * (torch.nn.functional.silu(z[0, t]) if z is not None else 1)
     torch.testing.assert_close(ops.start_state_out(*args), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("name,bad,error", [
+    ("y", lambda t: t[0], ValueError), ("y", lambda t: t.to(torch.int32), TypeError),
+    ("C", lambda t: t[:, :-1], ValueError), ("C", lambda t: t[:, :, :1].expand(-1, -1, 3, -1), ValueError),
+    ("z", lambda t: t[..., :-1], ValueError), ("initial_states", lambda t: t[1:], ValueError),
+    ("initial_states", lambda t: t.to(torch.int64), TypeError), ("dA_cumsum", lambda t: t[..., :-1, :], ValueError),
+    ("cu_seqlens", lambda t: t.float(), TypeError), ("cu_seqlens", lambda t: t[None], ValueError)])
+def test_start_state_out_names_a_wrong_argument(name, bad, error, device):
+    """Each argument of m2ops::start_state_out with a wrong shape or dtype raises naming it, on the real and the
+    fake path (a meta tensor runs the fake implementation, as torch.compile's tracing does)."""
+    from m2ops import ops
+    names = ("y", "C", "z", "initial_states", "dA_cumsum", "cu_seqlens")
+    args = dict(zip(names, _start_state_out_args([3, 9, 1, 12], 4, True)))
+    args[name] = bad(args[name])
+    args = {k: v.to(device) for k, v in args.items()}
+    with pytest.raises(error, match=rf"m2ops::start_state_out: {name} must be"):
+        ops.start_state_out(*args.values())
+
+
+def test_start_state_out_names_an_argument_on_another_device():
+    from m2ops import ops
+    args = list(_start_state_out_args([3, 9, 1, 12], 4, True))
+    args[3] = args[3].to("meta")
+    with pytest.raises(ValueError, match="m2ops::start_state_out: initial_states must be on the same device"):
+        ops.start_state_out(*args)

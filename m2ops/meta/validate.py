@@ -137,6 +137,39 @@ def check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x, where="m2ops::chu
     _shape("g_local", g_local, (b, c, h, p, B.shape[-1]), "(batch, nchunks, nheads, headdim, dstate)", where)
 
 
+def check_start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens, where="m2ops::start_state_out"):
+    """The packed row's output y (1, seqlen, nheads, headdim), C (1, seqlen, ngroups, dstate) with ngroups dividing
+    nheads, z like y, initial_states (num_sequences, nheads, headdim, dstate) for cu_seqlens (num_sequences + 1,)
+    integer, and dA_cumsum (1, nheads, nchunks, chunk_size) covering seqlen; floating tensors on y's device."""
+    _tensor("y", y, FLOAT_DTYPES, "floating", where)
+    if y.dim() != 4 or y.shape[0] != 1:
+        _fail(ValueError, "y", "of shape (1, seqlen, nheads, headdim)", tuple(y.shape), where)
+    _, T, h, p = y.shape
+    _tensor("C", C, FLOAT_DTYPES, "floating", where)
+    if C.dim() != 4 or tuple(C.shape[:2]) != (1, T) or C.shape[2] < 1 or h % C.shape[2] != 0:
+        _fail(ValueError, "C", f"of shape (1, seqlen, ngroups, dstate) = (1, {T}, g, n) with g dividing {h}",
+              tuple(C.shape), where)
+    if z is not None:
+        _tensor("z", z, FLOAT_DTYPES, "floating", where)
+        _shape("z", z, y.shape, "y's (1, seqlen, nheads, headdim)", where)
+    _tensor("cu_seqlens", cu_seqlens, INDEX_DTYPES, "integer", where)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        _fail(ValueError, "cu_seqlens", "of shape (num_sequences + 1,) with num_sequences >= 1",
+              tuple(cu_seqlens.shape), where)
+    _tensor("initial_states", initial_states, FLOAT_DTYPES, "floating", where)
+    _shape("initial_states", initial_states, (cu_seqlens.shape[0] - 1, h, p, C.shape[3]),
+           "(num_sequences, nheads, headdim, dstate)", where)
+    _tensor("dA_cumsum", dA_cumsum, FLOAT_DTYPES, "floating", where)
+    if dA_cumsum.dim() != 4 or dA_cumsum.shape[-1] < 1:
+        _fail(ValueError, "dA_cumsum", "of shape (1, nheads, nchunks, chunk_size)", tuple(dA_cumsum.shape), where)
+    L = dA_cumsum.shape[-1]
+    _shape("dA_cumsum", dA_cumsum, (1, h, (T + L - 1) // L, L), "(1, nheads, nchunks, chunk_size)", where)
+    for name, t in (("C", C), ("z", z), ("initial_states", initial_states), ("dA_cumsum", dA_cumsum),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != y.device:
+            _fail(ValueError, name, f"on the same device as y ({y.device})", t.device, where)
+
+
 def _check_head_params(D, dt_bias, h, p, where=_WHERE):
     """D ((nheads,) or (nheads, headdim)) and dt_bias ((nheads,)), shared by the scan and the decode step."""
     if D is not None:

@@ -14,6 +14,7 @@ from typing import Optional
 from torch import Tensor
 from torch.library import custom_op
 
+from ..meta.validate import check_start_state_out
 from ..reference import start_states as ref
 from . import dispatch
 
@@ -23,7 +24,10 @@ def start_state_out(y: Tensor, C: Tensor, z: Optional[Tensor], initial_states: T
                     cu_seqlens: Tensor) -> Tensor:
     """y (1, seqlen, nheads, headdim) plus, for every packed sequence k >= 1 of cu_seqlens, its start state
     initial_states[k] carried to its tokens in its first chunk through C (1, seqlen, ngroups, dstate), the chunk's
-    decays (dA_cumsum (1, nheads, nchunks, chunk_size)) and silu(z) where z is given. A fresh tensor like y."""
+    decays (dA_cumsum (1, nheads, nchunks, chunk_size)) and silu(z) where z is given. A fresh tensor like y.
+    Shapes, dtypes and devices are checked (cu_seqlens' values are the caller's: mamba_chunk_scan_combined's
+    checks)."""
+    check_start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens)
     return ref.start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens)
 
 
@@ -36,6 +40,7 @@ def start_state_out_bwd(g_out: Tensor, C: Tensor, z: Optional[Tensor], initial_s
 
 @start_state_out.register_fake
 def _(y, C, z, initial_states, dA_cumsum, cu_seqlens):
+    check_start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens)
     return y.new_empty(y.shape)
 
 
@@ -45,10 +50,16 @@ def _(g_out, C, z, initial_states, dA_cumsum, cu_seqlens):
             initial_states.new_empty(initial_states.shape), dA_cumsum.new_empty(dA_cumsum.shape))
 
 
-start_state_out.register_kernel("cuda")(dispatch.cuda_impl(
+_start_state_out_cuda = dispatch.cuda_impl(
     "start_state_out", ref.start_state_out,
     lambda y, C, z, initial_states, dA_cumsum, cu_seqlens: (dA_cumsum.shape[-1], (y, C, z, initial_states, dA_cumsum),
-                                                            True)))
+                                                            True))
+
+
+@start_state_out.register_kernel("cuda")
+def _(y, C, z, initial_states, dA_cumsum, cu_seqlens):
+    check_start_state_out(y, C, z, initial_states, dA_cumsum, cu_seqlens)
+    return _start_state_out_cuda(y, C, z, initial_states, dA_cumsum, cu_seqlens)
 
 
 def _setup(ctx, inputs, output):
