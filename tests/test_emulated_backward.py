@@ -143,6 +143,39 @@ def test_compute_out_backward_kernels(kw):
         assert rel_err(a, b) <= BWD_TOL[dtype], f"{name}: {rel_err(a, b):.3e}"
 
 
+@pytest.mark.parametrize("seqlen,chunk,seq_idx", [(300, 64, False), (200, 128, True), (64, 256, False)])
+def test_unwritten_scratch_is_never_read(monkeypatch, seqlen, chunk, seq_idx):
+    """compute_out_bwd's and chunk_state_bwd's per-writer slots are not initialised (the sums read only the slots
+    written, the blocks of each chunk that hold tokens): with every new float32 buffer filled with NaN, the
+    gradients still match the reference formulas. A tail chunk and chunks with unused token blocks included."""
+    from m2ops.kernels import backward
+    from m2ops.reference import chunked_backward as ref_bwd
+    case = make_case(seqlen=seqlen, nheads=4, ngroups=2, headdim=16, dstate=32, chunk_size=chunk,
+                     dtype=torch.bfloat16, initial_states=True, D="h", z=False, seq_idx=seq_idx, device="cpu",
+                     seed=3)
+    y_ref, fin_ref, _, mid = reference_forward(case)
+    gen = torch.Generator().manual_seed(3)
+    g_y = torch.randn(y_ref.shape, generator=gen).to(y_ref.dtype)
+    out_args = (g_y, case["x"], mid["dt_out"], mid["dA_cumsum"], case["C"], case["B"], mid["states"], case["D"],
+                None, case["seq_idx"])
+    state_args = (_cotangent(mid["states"], gen), _cotangent(fin_ref, gen), fin_ref.new_zeros((0, *fin_ref.shape[1:])),
+                  case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"],
+                  None)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+    for fn, args in (("compute_out_bwd", out_args), ("fwd_pass_state_bwd", state_args)):
+        want = getattr(ref_bwd, fn)(*args)
+        with emulated_kernels(), monkeypatch.context() as m:
+            m.setattr(backward.torch, "empty", poisoned)
+            got = getattr(backward, fn)(*args)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.isfinite(a).all(), (fn, i)
+            assert rel_err(a, b) <= BWD_TOL[torch.bfloat16], f"{fn} output {i}: {rel_err(a, b):.3e}"
+
+
 @pytest.mark.parametrize("dtype,seq_idx,given_states,carry_block,dstate", [
     (torch.bfloat16, True, True, 512, 64), (torch.float32, False, False, None, 32),
     (torch.bfloat16, False, False, 1024, 32), (torch.bfloat16, True, True, None, 20)])

@@ -62,6 +62,10 @@ def state_passing_bwd_constants(block: int, has_seq: bool, carry_in_walk: bool =
     return dict(BLK=block, HAS_SEQ=bool(has_seq), GC=bool(carry_in_walk), CHK=bool(check))
 
 
+def chunk_state_bwd_w_constants(chunk_size: int, has_seq: bool) -> dict:
+    return dict(L=chunk_size, HAS_SEQ=bool(has_seq))
+
+
 def chunk_state_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
     """The chunk size itself is a run-time argument of these kernels (it only enters index arithmetic); only
     the token block BL it implies is a constant. LOWP: the products in bfloat16 for bfloat16 activations."""
@@ -166,7 +170,8 @@ def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, ad
     in_place = g_x.dtype == mma_dtype and g_x.is_contiguous()
     g_xk = g_x if in_place else (g_x.to(mma_dtype, memory_format=torch.contiguous_format) if add_into
                                  else torch.empty(x.shape, dtype=mma_dtype, device=dev))
-    g_w_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
+    # (rows past the last token are left unwritten: chunk_state_bwd_w reads none of them)
+    g_w_part = torch.empty((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     hinted = functools.partial(hinted_kernel, dtype=dtype_name(mma_dtype), chunk_size=k["BL"])
     runtime.launch((nchunks * h * n_ptiles, b, 1), hinted("chunk_state_bwd_x"),
             (xk, Bk, dtk, csk, seq, g_local, g_xk, g_w_part,
@@ -179,11 +184,13 @@ def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, ad
             (xk, dtk, csk, seq, g_local, g_B,
              T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
 
-    # g_w -> g_dt and g_dA_cumsum: elementwise on (b, h, c, L), as in the reference formulas.
-    g_w = g_w_part.sum(2).view(b, h, nchunks, L)
-    decay, carry = ref_bwd.chunk_end_decays(csk, seq_idx, L)
-    g_dt, g_cs = ref_bwd.token_weight_grads(g_w, decay, decay * dtk, as_dtype(g_carry, torch.float32), carry)
-    return as_dtype(g_B, B.dtype), g_dt.to(dt_out.dtype), g_cs.to(dA_cumsum.dtype)
+    # g_w and g_carry -> g_dt and g_dA_cumsum, (b, h, c, L): one launch for the reference's elementwise formulas.
+    g_dt = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
+    g_cs = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
+    runtime.launch((nchunks * h, b, 1), hinted_kernel("chunk_state_bwd_w", "float32", L),
+                   (g_w_part, csk, dtk, as_dtype(g_carry, torch.float32), seq, g_dt, g_cs, T, h, n_ptiles,
+                    *chunk_state_bwd_w_constants(L, has_seq).values()))
+    return as_dtype(g_B, B.dtype), as_dtype(g_dt, dt_out.dtype), as_dtype(g_cs, dA_cumsum.dtype)
 
 
 # compute_out_bwd's G (dL/dy before the gate) passed to its kernels in bfloat16 for bfloat16 inputs: G is the
@@ -202,6 +209,10 @@ def g_local_dtype_name(dtype: str) -> str:
     """dtype of glocal for activations of dtype (meta.shapes.g_local_dtype)."""
     act = getattr(torch, dtype)
     return dtype_name(g_local_dtype(act, act, torch.float32))
+
+
+def out_bwd_sums_constants(chunk_size: int) -> dict:
+    return dict(L=chunk_size, BL=sub_block(chunk_size))
 
 
 def compute_out_bwd_constants(chunk_size: int, has_seq: bool, dtype: str = "float32") -> dict:
@@ -263,14 +274,14 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     g_x = torch.empty((b, T, h, p), dtype=mma_dtype, device=dev)
     g_D_part = (torch.empty((b, n_rblocks, h, p), dtype=torch.float32, device=dev) if D is not None
                 else dummy(x, torch.float32, 4))
-    g_dt_part = torch.zeros((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
+    g_dt_part = torch.empty((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     runtime.launch((n_rblocks * h * n_ptiles, b, 1), hinted("out_bwd_dx"),
                    (G, dtk, csk, cb, seq, xk, d_per_channel(D, h, p, x), g_x, g_D_part, g_dt_part,
                     T, h, h // g, n_ptiles, int(D is not None), *consts3))
 
-    # dCB and the row and column parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head);
-    # the slots of p_cs and p_cs_col that no pair writes stay zero.
-    p_cs = torch.zeros((2, b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
+    # dCB and the row and column parts of the intra-chunk dA_cumsum from one G x^T per (pair of blocks, head)
+    # (slots no pair writes are left as they are: out_bwd_sums reads none).
+    p_cs = torch.empty((2, b, h, nb, nchunks * L), dtype=torch.float32, device=dev)
     n_split = dcbw_split(b * cdiv(n_rblocks * (nb + 1), 2) * g, h // g, dev)
     g_cb_part = torch.empty((b, n_split, nchunks, g, L, L), dtype=torch.float32, device=dev)
     runtime.launch((n_rblocks * nb * g * n_split, b, 1), hinted("out_bwd_dcbw"),
@@ -278,8 +289,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     g_cb = g_cb_part[:, 0] if n_split == 1 else g_cb_part.sum(1)
     # Scratch is released as soon as its last reader is queued, so that the allocator reuses it for the arrays
     # below (the layer's training step peaks in this function: measure/memory_replay.py).
-    g_cs = p_cs.sum((0, 3))
-    del cb, g_cb_part, p_cs
+    del cb, g_cb_part
 
     g_C = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
@@ -287,8 +297,13 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
     runtime.launch((n_rblocks * g * n_ntiles, b, 1), hinted("out_bwd_dcdb"),
                    (G, csk, Ck, Bk, sk, seq, g_cb, g_C, g_B, g_cs_inter, T, g, h // g, n_ptiles, n_ntiles, *consts4))
     del g_cb
-    g_cs[..., :n_rblocks * BL] += g_cs_inter.sum(2)
-    del g_cs_inter
+    # dt's and dA_cumsum's shares summed, one launch
+    g_dt = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
+    g_cs = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
+    runtime.launch((nchunks * h, b, 1), hinted_kernel("out_bwd_sums", "float32", L),
+                   (g_dt_part, p_cs, g_cs_inter, g_dt, g_cs, T, h, n_ptiles, n_ntiles,
+                    *out_bwd_sums_constants(L).values()))
+    del g_dt_part, p_cs, g_cs_inter
 
     g_S = torch.empty((b, nchunks, h, p, n), dtype=torch.float32, device=dev)
     runtime.launch((nchunks * h * n_ptiles * n_ntiles, b, 1), hinted("out_bwd_dstates"),
@@ -303,8 +318,7 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
         else:
             g_D = g_D_part.sum((0, 1))  # (h, p)
         g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
-    g_dt = g_dt_part.sum(2).view(b, h, nchunks, L).to(dt_out.dtype)
-    g_cs = g_cs.view(b, h, nchunks, L).to(dA_cumsum.dtype)
+    g_dt, g_cs = as_dtype(g_dt, dt_out.dtype), as_dtype(g_cs, dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     g_S = g_S.to(g_states_dtype or states.dtype)
     return (as_dtype(g_x, x.dtype), g_dt, g_cs, as_dtype(g_C, C.dtype), as_dtype(g_B, B.dtype), g_S,

@@ -32,10 +32,11 @@ between the blocks (the last of block j): exp(cs_l - cs_s) = exp(cs_l - cs_p) ex
 <= 1 since cs falls, so those blocks need 2 BL exponentials instead of BL^2 (as in compute_out.py).
 
 Sums that several programs contribute to are written to zero-initialised buffers with one slot per writer and
-summed by the launcher: for dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a token of block q gets them from
+summed by out_bwd_sums_kernel (one program per chunk, head and batch row): for dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a token of block q gets them from
 pair (q, k) in slot k <= q; the slots above q stay zero; its column parts likewise, a token of block k from pair
-(q, k) in slot q >= k; dt per headdim tile; dCB per head split; the
-inter-chunk part of dA_cumsum per dstate tile. With LOWP (bfloat16 inputs with G in bfloat16) the products with
+(q, k) in slot q >= k; dt per headdim tile; the inter-chunk part of dA_cumsum per dstate tile (and dCB
+per head split, summed by the launcher). The buffers are not initialised: the sums read only the slots written
+(the blocks of the chunk that hold tokens). With LOWP (bfloat16 inputs with G in bfloat16) the products with
 G run in bfloat16: G x^T exactly as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or
 i-weighted operands (r CB, CB decay, S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's
 products with B and C stay tf32 (dCB is float32). Without LOWP the products with G run in tf32.
@@ -299,3 +300,30 @@ def out_bwd_dstates_kernel(G: Big, dA_cumsum: Big, C: Big, seq_idx: Big, g_state
         cm = ct.load(C, (b, c * nb + m, g, nt), shape=(1, BL, 1, TN), padding_mode=_ZERO).reshape((BL, TN))
         acc = ct.mma(_op(ct.transpose(gm), LOWP), _op(cm, LOWP), acc)
     ct.store(g_states, (b, c, h, pt, nt), acc.reshape((1, 1, 1, TP, TN)))
+
+
+@ct.kernel
+def out_bwd_sums_kernel(g_dt_part: Big, p_cs: Big, g_cs_inter: Big, g_dt: Big, g_cs: Big,
+                        seqlen: int, nheads: int, n_ptiles: int, n_ntiles: int,
+                        L: ConstInt, BL: ConstInt):
+    """dt's and dA_cumsum's gradients of one (chunk, head, batch row) from the other kernels' per-writer slots."""
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    h = pid % nheads
+    c = pid // nheads
+    tok = ct.arange(L, dtype=ct.int32)
+    q = tok // BL  # each token's block
+    rows = _rows_in_chunk(seqlen, c, L, BL)
+    gdt = ct.zeros((L,), dtype=ct.float32)
+    for pt in range(n_ptiles):
+        gdt = gdt + ct.load(g_dt_part, (b, h, pt, c), shape=(1, 1, 1, L)).reshape((L,))
+    gdt = ct.where(c * L + tok < seqlen, gdt, 0.0)
+    gcs = ct.zeros((L,), dtype=ct.float32)
+    for s in range(L // BL):
+        row = ct.load(p_cs, (0, b, h, s, c), shape=(1, 1, 1, 1, L)).reshape((L,))
+        col = ct.load(p_cs, (1, b, h, s, c), shape=(1, 1, 1, 1, L)).reshape((L,))
+        gcs = gcs + ct.where((q >= s) & (q < rows), row, 0.0) + ct.where((q <= s) & (s < rows), col, 0.0)
+    for nt in range(n_ntiles):
+        gcs = gcs + ct.load(g_cs_inter, (b, h, nt, c), shape=(1, 1, 1, L), padding_mode=_ZERO).reshape((L,))
+    ct.store(g_dt, (b, h, c, 0), gdt.reshape((1, 1, 1, L)))
+    ct.store(g_cs, (b, h, c, 0), gcs.reshape((1, 1, 1, L)))

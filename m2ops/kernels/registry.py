@@ -13,7 +13,8 @@ from .chunk_cumsum import chunk_cumsum_kernel
 from .chunk_cumsum_bwd import chunk_cumsum_bwd_kernel
 from .chunk_state import chunk_state_cumsum_cb_kernel, chunk_state_kernel
 from .compute_out import compute_out_kernel
-from .compute_out_bwd import out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel
+from .compute_out_bwd import (out_bwd_dcbw_kernel, out_bwd_dcdb_kernel, out_bwd_dstates_kernel, out_bwd_dx_kernel,
+                              out_bwd_sums_kernel)
 from .compute_out_carry import compute_out_carry_kernel
 from .conv1d import causal_conv1d_kernel
 from .conv1d_bwd import causal_conv1d_bwd_kernel
@@ -23,8 +24,8 @@ from .gated_norm_bwd import gated_norm_bwd_kernel
 from .gated_norm_wide import gated_norm_wide_kernel
 from .gated_norm_wide_bwd import gated_norm_wide_bwd_kernel, gated_norm_wide_rows_kernel
 from .segments import segment_out_kernel, segment_state_kernel
-from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_x_kernel, state_carry_grad_kernel,
-                             state_passing_bwd_kernel)
+from .state_pass_bwd import (chunk_state_bwd_b_kernel, chunk_state_bwd_w_kernel, chunk_state_bwd_x_kernel,
+                             state_carry_grad_kernel, state_passing_bwd_kernel)
 from .start_states import start_state_out_kernel
 from .state_passing import state_passing_kernel
 from .state_update import state_update_kernel
@@ -53,10 +54,12 @@ _TABLE = {
     "state_carry_grad": (state_carry_grad_kernel, False),
     "chunk_state_bwd_x": (chunk_state_bwd_x_kernel, False),
     "chunk_state_bwd_b": (chunk_state_bwd_b_kernel, False),
+    "chunk_state_bwd_w": (chunk_state_bwd_w_kernel, False),
     "out_bwd_dx": (out_bwd_dx_kernel, False),
     "out_bwd_dcbw": (out_bwd_dcbw_kernel, False),
     "out_bwd_dcdb": (out_bwd_dcdb_kernel, False),
     "out_bwd_dstates": (out_bwd_dstates_kernel, False),
+    "out_bwd_sums": (out_bwd_sums_kernel, False),
     # The layer's gated RMSNorm (norm.py), forward and backward.
     "gated_norm": (gated_norm_kernel, False),
     "gated_norm_wide": (gated_norm_wide_kernel, False),

@@ -172,6 +172,10 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
     if kernel_name == "chunk_state_bwd_b":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
                 _INT, _INT, _INT, _INT, _INT, _INT)
+    if kernel_name == "out_bwd_sums":
+        return (_a(F32, 4), _a(F32, 5), _a(F32, 4), _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT)
+    if kernel_name == "chunk_state_bwd_w":
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 3), _a(I32, 2), _a(F32, 4), _a(F32, 4), _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
         return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
                 _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)
@@ -333,6 +337,12 @@ def all_specs() -> list[Spec]:
                                 _hints("out_bwd_dx", dt, L), dtypes=extra))
                 out.append(Spec("out_bwd_dcbw", dt, k3, _params("out_bwd_dcbw", dt, g_dtype=gd),
                                 _hints("out_bwd_dcbw", dt, L), dtypes=extra))
+    for L in CHUNK_SIZES:  # (float32 whatever the activations)
+        for has_seq in (False, True):
+            out.append(Spec("chunk_state_bwd_w", F32, backward.chunk_state_bwd_w_constants(L, has_seq),
+                            _params("chunk_state_bwd_w", F32), _hints("chunk_state_bwd_w", F32, L)))
+        out.append(Spec("out_bwd_sums", F32, backward.out_bwd_sums_constants(L), _params("out_bwd_sums", F32),
+                        _hints("out_bwd_sums", F32, L)))
     g_locals = sorted({backward.g_local_dtype_name(dt) for dt in INPUT_DTYPES})
     # (states dtype, glocal dtype): float32 states with each glocal, and the forward's bfloat16 entering states
     # with bfloat16 activations' glocal (m2ops/ops/eager.py)

@@ -15,8 +15,10 @@ in the forward, and gS_C = g_final:
 3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
    over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
 
-The launcher turns g_w and gcarry into g_dt and g_dA_cumsum with a few elementwise PyTorch operations on
-(b, h, c, L) tensors. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
+4. chunk_state_bwd_w_kernel, one program per (chunk, head, batch row), turns g_w (the headdim tiles' shares
+   summed) and gcarry into the gradients of dt_out and dA_cumsum: g_dt = g_w decay and, with u = g_w w,
+   g_cs_l = -u_l plus, at the chunk's last token, sum_l u_l + gcarry carry (reference:
+   chunked_backward.token_weight_grads), in place of about a dozen small PyTorch operations and their launches. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
 inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands. Under
 LOWP state_passing_bwd stores glocal in bfloat16 (backward.g_local_dtype_name): the same rounding, done once
 where it is written instead of in every program that reads it, at half the bytes; gcarry is formed from the
@@ -175,3 +177,34 @@ def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, 
                              padding_mode=_ZERO).reshape((TP, TN))
                 acc = ct.mma(_op(xw, LOWP), _op(gl, LOWP), acc)
         ct.store(g_B, (b, row, g, nt), acc.astype(g_B.dtype).reshape((1, BL, 1, TN)))
+
+
+@ct.kernel
+def chunk_state_bwd_w_kernel(g_w_part: Big, dA_cumsum: Big, dt_out: Big, g_carry: Big, seq_idx: Big,
+                             g_dt: Big, g_cs: Big,
+                             seqlen: int, nheads: int, n_ptiles: int,
+                             L: ConstInt, HAS_SEQ: ConstBool):
+    pid = ct.bid(0)
+    b = ct.bid(1)
+    h = pid % nheads
+    c = pid // nheads
+    gw = ct.zeros((L,), dtype=ct.float32)
+    for pt in range(n_ptiles):
+        gw = gw + ct.load(g_w_part, (b, h, pt, c), shape=(1, 1, 1, L)).reshape((L,))
+    tok = ct.arange(L, dtype=ct.int32)
+    gw = ct.where(c * L + tok < seqlen, gw, 0.0)  # chunk_state_bwd_x leaves the rows past the last token unwritten
+    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
+    cs = ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
+    dt = ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
+    decay = ct.exp(cs_last - cs)  # as _token_weights forms w = decay dt
+    if HAS_SEQ:
+        seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
+        seq = ct.load(seq_idx, (b, c), shape=(1, L), padding_mode=_ZERO).reshape((L,))
+        decay = ct.where(seq == seq_last, decay, 0.0)
+    carry = exp2(_raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ) * LOG2E)
+    gdt = gw * decay
+    u = gdt * dt
+    last = ct.sum(u) + ct.load(g_carry, (b, h, c), shape=()) * carry
+    gcs = ct.where(tok == L - 1, last - u, -u)
+    ct.store(g_dt, (b, h, c, 0), gdt.astype(g_dt.dtype).reshape((1, 1, 1, L)))
+    ct.store(g_cs, (b, h, c, 0), gcs.astype(g_cs.dtype).reshape((1, 1, 1, L)))
