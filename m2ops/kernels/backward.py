@@ -141,7 +141,9 @@ def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dty
         runtime.launch((nchunks * h, b, 1), hinted_kernel("state_carry_grad", "float32", L),
                 (states.view(b, nchunks, h, pn), g_local.view(b, nchunks, h, pn), g_carry_part, h,
                  cdiv(pn, cblk), cblk))
-    return g_local, g_carry_part.sum(-1), g_init
+    # (one share per chunk where state_carry_grad formed them: the sum would be a copy)
+    g_carry = g_carry_part.view(b, h, nchunks) if g_carry_part.shape[-1] == 1 else g_carry_part.sum(-1)
+    return g_local, g_carry, g_init
 
 
 def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
@@ -310,14 +312,15 @@ def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx, g_st
                    (G, csk, Ck, seq, g_S, T, h, h // g, n_ptiles, n_ntiles, *consts4))
 
     if D is not None:
+        per_head = D.dim() == 1
         if z is not None and G.dtype != torch.float32:
             # G is the gated gradient rounded to 16 bits for the products; D's gradient, a sum over every token
             # whose random-signed terms cancel, keeps that rounding (about 1e-3 relative): form it from the
             # float32 G instead (one more pass over x).
-            g_D = torch.einsum("bthp,bthp->hp", gy, x.to(gy.dtype))
+            g_D = torch.einsum("bthp,bthp->h" if per_head else "bthp,bthp->hp", gy, x.to(gy.dtype))
         else:
-            g_D = g_D_part.sum((0, 1))  # (h, p)
-        g_D = (g_D.sum(-1) if D.dim() == 1 else g_D).to(D.dtype)
+            g_D = g_D_part.sum((0, 1, 3) if per_head else (0, 1))  # (h) or (h, p)
+        g_D = g_D.to(D.dtype)
     g_dt, g_cs = as_dtype(g_dt, dt_out.dtype), as_dtype(g_cs, dA_cumsum.dtype)
     # Absent gradients are two distinct empty tensors: a custom op's outputs must not alias each other.
     g_S = g_S.to(g_states_dtype or states.dtype)
