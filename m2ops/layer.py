@@ -311,11 +311,12 @@ class Mamba2(nn.Module):
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = x.unflatten(-1, (self.nheads, self.headdim))
         y = torch.empty_like(x)
+        # A_log as is: the decay rates -exp(A_log) are formed in the kernel
         ops.state_update_inplace(
-            ssm_state, x, dt, self._A(), B.unflatten(-1, (self.ngroups, self.d_state)),
+            ssm_state, x, dt, self.A_log, B.unflatten(-1, (self.ngroups, self.d_state)),
             C.unflatten(-1, (self.ngroups, self.d_state)), self._D(),
             None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim)), self.dt_bias, None, True,
-            self.dt_limit[0], self.dt_limit[1], y)
+            self.dt_limit[0], self.dt_limit[1], y, A_is_log=True)
         out = self._finish(y.flatten(-2), z, z0, x0)
         if self.tp_group is not None:  # no sequence split at decode: a sum over the group
             out = _tensor_parallel().leave(self, out, None, decode=True)

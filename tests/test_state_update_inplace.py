@@ -215,6 +215,10 @@ def test_opcheck(case, indexed):
         rows = torch.tensor([3, -1, 0])
     torch.library.opcheck(torch.ops.m2ops.state_update_inplace.default,
                           _op_args(inp, rows, torch.zeros_like(inp["x"]), softplus, lo, hi))
+    # A given as A_log (the layer's decode step)
+    args = _op_args(inp, rows, torch.zeros_like(inp["x"]), softplus, lo, hi)
+    torch.library.opcheck(torch.ops.m2ops.state_update_inplace.default,
+                          args[:3] + (torch.log(-inp["A"]),) + args[4:], {"A_is_log": True})
 
 
 def test_compile_fullgraph(reset_dynamo):

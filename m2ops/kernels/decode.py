@@ -137,7 +137,7 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
 
 
 def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus: bool,
-                         dt_min: float, dt_max: float, out) -> None:
+                         dt_min: float, dt_max: float, out, A_is_log: bool = False) -> None:
     """m2ops::state_update_inplace on the GPU: the cache rows of state updated in place (row b, or
     state_batch_indices[b]; a row outside [0, cache_rows) skipped), y written into out (its skipped rows left
     as they are). Returns nothing.
@@ -174,7 +174,8 @@ def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indic
     runtime.launch((h * n_ptiles, b, 1), kernel,
             (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, rows, y,
              h, h // g, n, n_ptiles, cache_rows, has_d, int(z is not None), int(dt_bias is not None),
-             int(bool(dt_softplus)), int(state_batch_indices is not None), float(dt_min), float(dt_max),
+             int(bool(dt_softplus)), int(state_batch_indices is not None), int(bool(A_is_log)), float(dt_min),
+             float(dt_max),
              k["TP"], k["TN"]))
     if y is not out:
         out.copy_(y)

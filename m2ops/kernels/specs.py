@@ -193,7 +193,7 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     if kernel_name == "state_update_inplace":
         return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
-                _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 10, _FLOAT, _FLOAT)
+                _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 11, _FLOAT, _FLOAT)
     if kernel_name == "gated_norm":
         return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
                 _INT, _INT, _INT)

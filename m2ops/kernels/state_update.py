@@ -61,16 +61,19 @@ def state_update_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt
     ct.store(y, (b, h, pt), acc.astype(y.dtype).reshape((1, 1, TP)))
 
 
-def step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max):
+def step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max, a_is_log=0):
     """(d, exp(d * A)) of batch row b, head h: d = dt (+ dt_bias), softplus if dt_softplus, clamped to
-    [dt_min, dt_max]; float32."""
+    [dt_min, dt_max]; float32. a_is_log: A holds A_log, and A = -exp(A_log) is formed here."""
     d = ct.load(dt, (b, h), shape=()).astype(ct.float32)
     if has_bias != 0:
         d = d + ct.load(dt_bias, (h,), shape=()).astype(ct.float32)
     if dt_softplus != 0:
         d = softplus(d)
     d = ct.minimum(ct.maximum(d, dt_min), dt_max)
-    return d, ct.exp(d * ct.load(A, (h,), shape=()).astype(ct.float32))
+    a = ct.load(A, (h,), shape=()).astype(ct.float32)
+    if a_is_log != 0:
+        a = 0.0 - ct.exp(a)
+    return d, ct.exp(d * a)
 
 
 def gated_output(acc, xp, D, z, b, h, pt, has_d, has_z, TP):

@@ -11,7 +11,8 @@ cache nor y is written for it.
 `state` is one parameter, read and written, rather than an input and an output passed the same tensor: the
 compiler may assume that distinct parameters do not alias (state_passing.py does the same). Programs write
 disjoint tiles as long as the rows of the batch are distinct (the caller's promise, checked where the indices are
-on the CPU). Everything is computed in float32; the new state is rounded to state's dtype when stored.
+on the CPU). With a_is_log, A holds a layer's A_log and the decay rate -exp(A_log) is formed here (a layer's
+decode step then launches no kernels for it). Everything is computed in float32; the new state is rounded to state's dtype when stored.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _ZERO = ct.PaddingMode.ZERO
 def state_update_inplace_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z: Big, dt_bias, rows, y: Big,
                                 nheads: int, heads_per_group: int, dstate: int, n_ptiles: int, cache_rows: int,
                                 has_d: int, has_z: int, has_bias: int, dt_softplus: int, has_rows: int,
-                                dt_min: float, dt_max: float,
+                                a_is_log: int, dt_min: float, dt_max: float,
                                 TP: ConstInt, TN: ConstInt):
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -40,7 +41,7 @@ def state_update_inplace_kernel(state: Big, x: Big, dt, A, B: Big, C: Big, D, z:
     if has_rows != 0:
         r = ct.load(rows, (b,), shape=())
     if (r >= 0) & (r < cache_rows):
-        d, decay = step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max)
+        d, decay = step_decay(dt, A, dt_bias, b, h, has_bias, dt_softplus, dt_min, dt_max, a_is_log)
         xp = ct.load(x, (b, h, pt), shape=(1, 1, TP), padding_mode=_ZERO).reshape((TP,)).astype(ct.float32)
         dx = d * xp
 

@@ -74,7 +74,7 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_m
 
 
 def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus, dt_min, dt_max,
-                         out):
+                         out, A_is_log=False):
     """Nothing: the op writes state and out, which it declares as mutated."""
     return None
 

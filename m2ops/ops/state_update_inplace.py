@@ -24,9 +24,12 @@ from .state_update import mamba_ssm_arguments
 @custom_op("m2ops::state_update_inplace", mutates_args=("state", "out"))
 def state_update_inplace(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                          z: Optional[Tensor], dt_bias: Optional[Tensor], state_batch_indices: Optional[Tensor],
-                         dt_softplus: bool, dt_min: float, dt_max: float, out: Tensor) -> None:
+                         dt_softplus: bool, dt_min: float, dt_max: float, out: Tensor,
+                         A_is_log: bool = False) -> None:
+    """A_is_log: A holds a layer's A_log and the decay rates are -exp(A_log), formed by the kernel (no launches
+    for them in a layer's decode step)."""
     ref.state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus, dt_min, dt_max,
-                             out)
+                             out, A_is_log)
 
 
 state_update_inplace.register_fake(fake.state_update_inplace)
