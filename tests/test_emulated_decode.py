@@ -119,20 +119,26 @@ def test_state_update_inplace(dtype, dstate, opts):
 @pytest.mark.parametrize("a_dtype", [torch.float32, torch.bfloat16])
 def test_state_update_inplace_from_a_log(a_dtype):
     """A_is_log (the layer's decode step): the kernel given A_log forms -exp(A_log) itself; the same cache and y
-    as the reference given -exp(A_log) (A_log in float32, or bfloat16 as in a bfloat16 layer)."""
+    as the reference given -exp(A_log) (A_log and dt_bias in float32, or in bfloat16 as in a bfloat16 layer, then
+    read as they are)."""
     g = torch.Generator().manual_seed(3)
     b, h, G, p, n = 3, 4, 2, 24, 64
     a_log = (torch.rand(h, generator=g) * 3.0).to(a_dtype)
     kw = dict(x=torch.randn(b, h, p, generator=g).to(torch.bfloat16), dt=torch.rand(b, h, generator=g).to(torch.bfloat16),
               B=torch.randn(b, G, n, generator=g).to(torch.bfloat16), C=torch.randn(b, G, n, generator=g).to(torch.bfloat16),
-              D=torch.randn(h, generator=g), z=None, dt_bias=torch.randn(h, generator=g), state_batch_indices=None,
+              D=torch.randn(h, generator=g), z=None, dt_bias=torch.randn(h, generator=g).to(a_dtype),
+              state_batch_indices=None,
               dt_softplus=True, dt_min=0.0, dt_max=math.inf)
     cache = torch.randn(b, h, p, n, generator=g)
     want_cache, want_out = cache.clone(), torch.zeros(b, h, p, dtype=torch.bfloat16)
     ref_su.state_update_inplace(want_cache, A=-torch.exp(a_log.float()), **kw, out=want_out)
     got_cache, got_out = cache.clone(), torch.zeros(b, h, p, dtype=torch.bfloat16)
-    with emulated_kernels():
+    converted = []
+    real_to = torch.Tensor.to
+    with emulated_kernels(), pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "to", lambda t, *a, **k: converted.append(t.shape) or real_to(t, *a, **k))
         decode.state_update_inplace(got_cache, A=a_log, **kw, out=got_out, A_is_log=True)
+    assert (h,) not in converted  # A_log and dt_bias read in their own dtype
     assert rel_err(got_out, want_out) <= DECODE_TOL[torch.bfloat16]
     assert rel_err(got_cache, want_cache) <= DECODE_TOL[torch.float32]
     ref_cache, ref_out = cache.clone(), torch.zeros(b, h, p, dtype=torch.bfloat16)

@@ -142,7 +142,8 @@ def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indic
     state_batch_indices[b]; a row outside [0, cache_rows) skipped), y written into out (its skipped rows left
     as they are). Returns nothing.
 
-    Inputs are read as state_update reads them. state is read and written where it is: in its own dtype when that
+    Inputs are read as state_update reads them, but for A and dt_bias, read in the activations' dtype where both
+    are in it (runtime.param_dtype). state is read and written where it is: in its own dtype when that
     is the activations' or float32 (the kernel's builds); in another dtype through a float32 copy that is written
     back (a state-sized copy each way, only for such a mix). y goes straight into out when out is in the
     activations' dtype, else through a copy of out in that dtype. int64 indices are clamped to [-1, cache_rows]
@@ -156,8 +157,11 @@ def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indic
     zk = as_dtype(z, act) if z is not None else xk
     dtk = dense(dt) if dt.dtype in (act, torch.float32) else as_dtype(dt, torch.float32)
     state_k = state if state.dtype in (act, torch.float32) else state.to(torch.float32)
-    A32 = as_dtype(A, torch.float32)
-    bias = as_dtype(dt_bias, torch.float32) if dt_bias is not None else A32
+    # A and dt_bias read as they are where both are in the activations' dtype (a bfloat16 layer's): no
+    # conversion launched per token
+    pd = runtime.param_dtype(act, A, dt_bias)
+    A32 = as_dtype(A, pd)
+    bias = as_dtype(dt_bias, pd) if dt_bias is not None else A32
     Dk, has_d = d_arg(D, x)
     if state_batch_indices is None:
         rows = runtime.dummy(x, torch.int32, 1)

@@ -105,7 +105,7 @@ def _a(dtype, ndim):
 
 
 # The kernels whose weight and bias come in float32 or in the activations' dtype (runtime.param_dtype).
-PARAM_KERNELS = ("gated_norm", "gated_norm_wide", "causal_conv1d_update")
+PARAM_KERNELS = ("gated_norm", "gated_norm_wide", "causal_conv1d_update", "state_update_inplace")
 
 
 def param_dtypes(dt: str) -> tuple:
@@ -192,8 +192,8 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _a(dt, 3), _a(F32, 1), _a(state_dtype, 4), _a(dt, 3),
                 _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _FLOAT)
     if kernel_name == "state_update_inplace":
-        return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(F32, 1), _a(dt, 3), _a(dt, 3), _a(F32, 2),
-                _a(dt, 3), _a(F32, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 11, _FLOAT, _FLOAT)
+        return (_a(state_dtype, 4), _a(dt, 3), _a(dt_dtype, 2), _a(param_dtype, 1), _a(dt, 3), _a(dt, 3),
+                _a(F32, 2), _a(dt, 3), _a(param_dtype, 1), _a(I32, 1), _a(dt, 3), *(_INT,) * 11, _FLOAT, _FLOAT)
     if kernel_name == "gated_norm":
         return (_a(dt, 3), _a(dt, 3), _a(param_dtype, 2), _a(param_dtype, 2), _a(dt, 3), _a(F32, 2), _FLOAT, _FLOAT,
                 _INT, _INT, _INT)
@@ -373,11 +373,14 @@ def all_specs() -> list[Spec]:
                         out.append(Spec("state_update", dt, decode.state_update_constants(tn),
                                         _params("state_update", dt, dt_dtype, state_dtype),
                                         hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
-                        # the in-place kernel: the same dtypes, tiles and hint rule
+                        # the in-place kernel: the same dtypes, tiles and hint rule, x A's and dt_bias's dtype
                         hints = tuple(sorted(decode.state_update_inplace_hints(dt, aligned).items()))
-                        out.append(Spec("state_update_inplace", dt, decode.state_update_constants(tn),
-                                        _params("state_update_inplace", dt, dt_dtype, state_dtype),
-                                        hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))))
+                        for pd in param_dtypes(dt):
+                            out.append(Spec("state_update_inplace", dt, decode.state_update_constants(tn),
+                                            _params("state_update_inplace", dt, dt_dtype, state_dtype,
+                                                    param_dtype=pd),
+                                            hints, dtypes=(("dt", dt_dtype), ("state", state_dtype))
+                                            + ((("param", pd),) if pd != F32 else ())))
     # The gated RMSNorm (norm.py): activations' dtype x group tile, each tile with its hints; the forwards also x
     # the dtype of weight and bias (runtime.param_dtype).
     for dt in INPUT_DTYPES:
