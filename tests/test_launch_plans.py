@@ -246,9 +246,9 @@ def test_layer_decode_step_takes_the_aligned_state_update_build(monkeypatch, rms
     seen = {}
     real = layer_mod.ops.state_update_inplace
 
-    def spy(state, x, dt, A, B, C, D, z, *rest):
+    def spy(state, x, dt, A, B, C, D, z, *rest, **kwargs):
         seen.update(state=state, x=x, B=B, C=C, z=z, D=D, out=rest[-1])
-        return real(state, x, dt, A, B, C, D, z, *rest)
+        return real(state, x, dt, A, B, C, D, z, *rest, **kwargs)
 
     monkeypatch.setattr(layer_mod.ops, "state_update_inplace", spy)
     mixer = m2ops.Mamba2(d_model=256, d_state=128, headdim=64, rmsnorm=rmsnorm, dtype=torch.bfloat16)
