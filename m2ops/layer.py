@@ -47,6 +47,7 @@ from .meta.validate import FLOAT_DTYPES
 from .conv1d import causal_conv1d_fn
 from .gated_norm import rms_norm_gated
 from .mixer_fn import mixer_fn
+from .reference.state_update import decay_rates
 from .scan_combined import mamba_chunk_scan_combined
 
 
@@ -167,8 +168,7 @@ class Mamba2(nn.Module):
         return torch.split(zxbcdt, [d_mlp, d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
 
     def _A(self):
-        # In float32 at least: exp of a half-precision A_log can overflow (float64 stays float64).
-        return -torch.exp(self.A_log.to(compute_dtype(self.A_log.dtype)))
+        return decay_rates(self.A_log)
 
     def _D(self):
         return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D

@@ -124,8 +124,9 @@ def test_state_update_inplace_from_a_log(a_dtype):
     g = torch.Generator().manual_seed(3)
     b, h, G, p, n = 3, 4, 2, 24, 64
     a_log = (torch.rand(h, generator=g) * 3.0).to(a_dtype)
-    kw = dict(x=torch.randn(b, h, p, generator=g).to(torch.bfloat16), dt=torch.rand(b, h, generator=g).to(torch.bfloat16),
-              B=torch.randn(b, G, n, generator=g).to(torch.bfloat16), C=torch.randn(b, G, n, generator=g).to(torch.bfloat16),
+    bf = torch.bfloat16
+    kw = dict(x=torch.randn(b, h, p, generator=g).to(bf), dt=torch.rand(b, h, generator=g).to(bf),
+              B=torch.randn(b, G, n, generator=g).to(bf), C=torch.randn(b, G, n, generator=g).to(bf),
               D=torch.randn(h, generator=g), z=None, dt_bias=torch.randn(h, generator=g).to(a_dtype),
               state_batch_indices=None,
               dt_softplus=True, dt_min=0.0, dt_max=math.inf)

@@ -31,15 +31,15 @@ head) and serves dC and dA_cumsum. Below the diagonal block the decay factorises
 between the blocks (the last of block j): exp(cs_l - cs_s) = exp(cs_l - cs_p) exp(cs_p - cs_s), both factors
 <= 1 since cs falls, so those blocks need 2 BL exponentials instead of BL^2 (as in compute_out.py).
 
-Sums that several programs contribute to are written to zero-initialised buffers with one slot per writer and
-summed by out_bwd_sums_kernel (one program per chunk, head and batch row): for dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a token of block q gets them from
-pair (q, k) in slot k <= q; the slots above q stay zero; its column parts likewise, a token of block k from pair
-(q, k) in slot q >= k; dt per headdim tile; the inter-chunk part of dA_cumsum per dstate tile (and dCB
-per head split, summed by the launcher). The buffers are not initialised: the sums read only the slots written
-(the blocks of the chunk that hold tokens). With LOWP (bfloat16 inputs with G in bfloat16) the products with
-G run in bfloat16: G x^T exactly as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or
-i-weighted operands (r CB, CB decay, S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's
-products with B and C stay tf32 (dCB is float32). Without LOWP the products with G run in tf32.
+Sums that several programs contribute to are written to buffers with one slot per writer and summed by
+out_bwd_sums_kernel (one program per chunk, head and batch row): dA_cumsum's row parts (b, h, L/BL, nchunks*L) — a
+token of block q gets them from pair (q, k) in slot k <= q; its column parts likewise, a token of block k from pair
+(q, k) in slot q >= k; dt per headdim tile; the inter-chunk part of dA_cumsum per dstate tile (dCB per head split is
+summed by the launcher). The buffers are not initialised: out_bwd_sums reads only the slots written (those rules,
+within the blocks of the chunk that hold tokens). With LOWP (bfloat16 inputs with G in bfloat16) the products with G
+run in bfloat16: G x^T exactly as in tf32 (bfloat16 values are exact in tf32 too), while the decay-, state- or
+i-weighted operands (r CB, CB decay, S, i G) are rounded to bfloat16 as the forward rounds its own; dCB's products
+with B and C stay tf32 (dCB is float32). Without LOWP the products with G run in tf32.
 """
 
 from __future__ import annotations

@@ -160,8 +160,8 @@ def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indic
     # A and dt_bias read as they are where both are in the activations' dtype (a bfloat16 layer's): no
     # conversion launched per token
     pd = runtime.param_dtype(act, A, dt_bias)
-    A32 = as_dtype(A, pd)
-    bias = as_dtype(dt_bias, pd) if dt_bias is not None else A32
+    Ak = as_dtype(A, pd)
+    bias = as_dtype(dt_bias, pd) if dt_bias is not None else Ak
     Dk, has_d = d_arg(D, x)
     if state_batch_indices is None:
         rows = runtime.dummy(x, torch.int32, 1)
@@ -176,7 +176,7 @@ def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indic
     tiled = (state_k, xk, Bk, Ck, y) + ((zk,) if z is not None else ()) + ((Dk,) if has_d == 2 else ())
     kernel = state_update_inplace_kernel_for(dtype_name(act), rows_of_16_bytes(*tiled))
     runtime.launch((h * n_ptiles, b, 1), kernel,
-            (state_k, xk, dtk, A32, Bk, Ck, Dk, zk, bias, rows, y,
+            (state_k, xk, dtk, Ak, Bk, Ck, Dk, zk, bias, rows, y,
              h, h // g, n, n_ptiles, cache_rows, has_d, int(z is not None), int(dt_bias is not None),
              int(bool(dt_softplus)), int(state_batch_indices is not None), int(bool(A_is_log)), float(dt_min),
              float(dt_max),

@@ -14,15 +14,15 @@ in the forward, and gS_C = g_final:
    gradient of x) and this headdim tile's share of g_w = sum_p x M.
 3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
    over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
-
 4. chunk_state_bwd_w_kernel, one program per (chunk, head, batch row), turns g_w (the headdim tiles' shares
    summed) and gcarry into the gradients of dt_out and dA_cumsum: g_dt = g_w decay and, with u = g_w w,
    g_cs_l = -u_l plus, at the chunk's last token, sum_l u_l + gcarry carry (reference:
-   chunked_backward.token_weight_grads), in place of about a dozen small PyTorch operations and their launches. The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16
-inputs) in bfloat16, glocal and the weighted x rounded to bfloat16 as the forward rounds its operands. Under
-LOWP state_passing_bwd stores glocal in bfloat16 (backward.g_local_dtype_name): the same rounding, done once
-where it is written instead of in every program that reads it, at half the bytes; gcarry is formed from the
-float32 value before.
+   chunked_backward.token_weight_grads), in place of about a dozen small PyTorch operations and their launches.
+
+The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16 inputs) in bfloat16, glocal
+and the weighted x rounded to bfloat16 as the forward rounds its operands. Under LOWP state_passing_bwd stores
+glocal in bfloat16 (backward.g_local_dtype_name): the same rounding, done once where it is written instead of in
+every program that reads it, at half the bytes; gcarry is formed from the float32 value before.
 """
 
 from __future__ import annotations
@@ -97,17 +97,23 @@ def state_carry_grad_kernel(states: Big, g_local: Big, g_carry: Big, nheads: int
     ct.store(g_carry, (b, h, c, 0), ct.sum(acc).reshape((1, 1, 1, 1)))
 
 
-def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ):
-    """w_l = exp(cs_last - cs_l) dt_l of one block of BL tokens, zero off the chunk-end sequence."""
+def _end_decays(dA_cumsum, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ):
+    """exp(cs_last - cs_l) of one block of BL tokens (block sb of chunk c, row of the token axis), zero off the
+    chunk-end sequence."""
     cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
     cs = ct.load(dA_cumsum, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
-    dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
-    w = ct.exp(cs_last - cs) * dt
+    decay = ct.exp(cs_last - cs)
     if HAS_SEQ:
         seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
         seq = ct.load(seq_idx, (b, row), shape=(1, BL), padding_mode=_ZERO).reshape((BL,))
-        w = ct.where(seq == seq_last, w, 0.0)
-    return w
+        decay = ct.where(seq == seq_last, decay, 0.0)
+    return decay
+
+
+def _token_weights(dA_cumsum, dt_out, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ):
+    """w_l = exp(cs_last - cs_l) dt_l of one block of BL tokens, zero off the chunk-end sequence."""
+    dt = ct.load(dt_out, (b, h, c, sb), shape=(1, 1, 1, BL)).reshape((BL,))
+    return _end_decays(dA_cumsum, seq_idx, b, h, c, sb, row, seqlen, L, BL, HAS_SEQ) * dt
 
 
 @ct.kernel
@@ -193,14 +199,8 @@ def chunk_state_bwd_w_kernel(g_w_part: Big, dA_cumsum: Big, dt_out: Big, g_carry
         gw = gw + ct.load(g_w_part, (b, h, pt, c), shape=(1, 1, 1, L)).reshape((L,))
     tok = ct.arange(L, dtype=ct.int32)
     gw = ct.where(c * L + tok < seqlen, gw, 0.0)  # chunk_state_bwd_x leaves the rows past the last token unwritten
-    cs_last = ct.load(dA_cumsum, (b, h, c, L - 1), shape=())
-    cs = ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
+    decay = _end_decays(dA_cumsum, seq_idx, b, h, c, 0, c, seqlen, L, L, HAS_SEQ)  # the whole chunk as one block
     dt = ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
-    decay = ct.exp(cs_last - cs)  # as _token_weights forms w = decay dt
-    if HAS_SEQ:
-        seq_last = ct.load(seq_idx, (b, ct.minimum(c * L + L - 1, seqlen - 1)), shape=())
-        seq = ct.load(seq_idx, (b, c), shape=(1, L), padding_mode=_ZERO).reshape((L,))
-        decay = ct.where(seq == seq_last, decay, 0.0)
     carry = exp2(_raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ) * LOG2E)
     gdt = gw * decay
     u = gdt * dt

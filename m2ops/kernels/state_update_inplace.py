@@ -12,7 +12,8 @@ cache nor y is written for it.
 compiler may assume that distinct parameters do not alias (state_passing.py does the same). Programs write
 disjoint tiles as long as the rows of the batch are distinct (the caller's promise, checked where the indices are
 on the CPU). With a_is_log, A holds a layer's A_log and the decay rate -exp(A_log) is formed here (a layer's
-decode step then launches no kernels for it). Everything is computed in float32; the new state is rounded to state's dtype when stored.
+decode step then launches no kernels for it). Everything is computed in float32; the new state is rounded to
+state's dtype when stored.
 """
 
 from __future__ import annotations

@@ -23,6 +23,6 @@ from .state_update import state_update, state_update_bwd
 from .state_update_inplace import state_update_inplace
 
 __all__ = ["chunk_cumsum", "chunk_cumsum_bwd", "fwd_pass_state", "fwd_pass_state_bwd", "state_passing_bwd",
-           "chunk_state_bwd", "compute_out", "compute_out_bwd", "chunk_scan", "state_update", "state_update_bwd", "state_update_inplace",
-           "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update",
-           "mixer", "mixer_bwd", "start_state_out", "start_state_out_bwd"]
+           "chunk_state_bwd", "compute_out", "compute_out_bwd", "chunk_scan", "state_update", "state_update_bwd",
+           "state_update_inplace", "rms_norm_gated", "rms_norm_gated_bwd", "causal_conv1d", "causal_conv1d_bwd",
+           "causal_conv1d_update", "mixer", "mixer_bwd", "start_state_out", "start_state_out_bwd"]

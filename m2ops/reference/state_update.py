@@ -38,19 +38,24 @@ def state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_min
     return y.to(x.dtype).contiguous(), new.to(state.dtype).contiguous()
 
 
+def decay_rates(A_log):
+    """A = -exp(A_log), in float32 at least: exp of a half-precision A_log can overflow (float64 stays float64)."""
+    return -torch.exp(A_log.to(compute_dtype(A_log.dtype)))
+
+
 def state_update_inplace(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_softplus: bool,
                          dt_min: float, dt_max: float, out, A_is_log: bool = False):
     """m2ops::state_update_inplace: state_update on cache rows, written back in place. Batch row b uses cache row b,
     or state_batch_indices[b]; a row outside [0, cache_rows) (negative: a padding slot) is skipped: its cache row
     and its row of out are left as they are. y goes into out. Returns nothing. A_is_log: A holds a layer's A_log,
-    the decay rates being -exp(A_log) (in float32 at least).
+    the decay rates being decay_rates(A_log).
 
     Without a host synchronisation (no boolean indexing: the fallback on a CUDA device stays capturable): the
     rows are gathered, updated by state_update and scattered back by one index_copy_, in which a skipped batch
     row writes the same values as the first used one (or, when none is used, cache row 0 its own values), so no
     cache row receives two different values unless the caller repeats a row."""
     if A_is_log:
-        A = -torch.exp(A.to(compute_dtype(A.dtype)))
+        A = decay_rates(A)
     if state_batch_indices is None:
         y, new = state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max)
         state.copy_(new)
