@@ -79,14 +79,15 @@ def check_all_ops(inp, L, softplus, limit, seed=0):
     got = bwd.fwd_pass_state_bwd(*cots, inp["x"], inp["B"], dt_out, dA_cumsum, inp["initial_states"], seq_idx, cu)
     check(got, want, args, ["x", "B", "dt_out", "dA_cumsum", "initial_states"], "fwd_pass_state")
     states = outs[0].detach()
-    # ... and in its two stages, from the entering states, x's gradient added into a given one (without the
+    # ... and in its two stages, from the entering states, the gradients added into given ones (without the
     # per-sequence states, which only the whole op takes)
     if cu is None:
         g_local, g_carry, g_init = bwd.state_passing_bwd(cots[0], cots[1], states, dA_cumsum, seq_idx, F64)
-        base = cotangent(inp["x"], gen)
-        g_x = base.clone()
-        g_B, g_dt, g_cs = bwd.chunk_state_bwd(g_local, g_carry, inp["x"], inp["B"], dt_out, dA_cumsum, seq_idx, g_x)
-        got = (g_x - base, g_B, g_dt, g_cs, g_init if inp["initial_states"] is not None else g_init.new_empty(0))
+        bases = [cotangent(t, gen) for t in (inp["x"], inp["B"], dt_out, dA_cumsum)]
+        grads = [t.clone() for t in bases]
+        bwd.chunk_state_bwd(g_local, g_carry, inp["x"], inp["B"], dt_out, dA_cumsum, seq_idx, *grads)
+        got = (*(g - base for g, base in zip(grads, bases)),
+               g_init if inp["initial_states"] is not None else g_init.new_empty(0))
         check(got, want, args, ["x", "B", "dt_out", "dA_cumsum", "initial_states"], "fwd_pass_state in two stages")
 
     # compute_out
@@ -238,10 +239,13 @@ def test_bwd_ops_run_the_formulas():
     pairs.append((torch.ops.m2ops.compute_out_bwd, bwd.compute_out_bwd,
                   (inp["x"], inp["x"], dt_out, cs, inp["C"], inp["B"], outs[0], inp["D"], inp["z"], inp["seq_idx"])))
     g_local, g_carry, _ = bwd.state_passing_bwd(outs[0], outs[1], outs[0] * 0.5, cs, inp["seq_idx"], F64)
-    g_x_op, g_x_fn = inp["x"].clone(), inp["x"].clone()  # chunk_state_bwd adds into its last argument
-    pairs.append((torch.ops.m2ops.chunk_state_bwd, lambda *a: bwd.chunk_state_bwd(*a[:-1], g_x_fn),
-                  (g_local, g_carry, inp["x"], inp["B"], dt_out, cs, inp["seq_idx"], g_x_op)))
     for op, fn, args in pairs:
         for a, b in zip(op(*args), fn(*args)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(g_x_op, g_x_fn, rtol=0, atol=0)
+    # chunk_state_bwd adds into its last four arguments
+    accs = [(t.clone(), t.clone()) for t in (inp["x"], inp["B"], dt_out, cs)]
+    torch.ops.m2ops.chunk_state_bwd(g_local, g_carry, inp["x"], inp["B"], dt_out, cs, inp["seq_idx"],
+                                    *(a for a, _ in accs))
+    bwd.chunk_state_bwd(g_local, g_carry, inp["x"], inp["B"], dt_out, cs, inp["seq_idx"], *(b for _, b in accs))
+    for a, b in accs:
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

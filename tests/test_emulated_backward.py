@@ -56,10 +56,10 @@ def test_backward_kernels(kw):
             case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"], case["initial_states"], case["seq_idx"], None)
     want = ref_bwd.fwd_pass_state_bwd(*args)
     dtype = case["x"].dtype
-    base = _cotangent(case["x"], gen).to(dtype)
+    base = [_cotangent(t, gen).to(t.dtype) for t in (case["x"], case["B"], mid["dt_out"], mid["dA_cumsum"])]
     with emulated_kernels():
         got = backward.fwd_pass_state_bwd(*args)
-        # in its two stages from the entering states, x's gradient added into another op's (as chunk_scan's
+        # in its two stages from the entering states, the gradients added into another op's (as chunk_scan's
         # backward calls them)
         got_staged, stage1 = _staged(backward, args, mid["states"], base)
     _assert_no_aliasing(args, got)
@@ -68,7 +68,7 @@ def test_backward_kernels(kw):
     for name, a, b in zip(("g_local", "g_carry", "g_init"), stage1, want_stage1):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), name
         assert rel_err(a, b) <= BWD_TOL[dtype], f"state_passing_bwd's {name}: {rel_err(a, b):.3e}"
-    want_staged = (want[0].float() + base.float(), *want[1:])
+    want_staged = (*(w.float() + a.float() for w, a in zip(want, base)), want[4])
     for name, a, b, c, d in zip(("g_x", "g_B", "g_dt_out", "g_dA_cumsum", "g_init"), got, want, got_staged,
                                 want_staged):
         # A token's g_dt is one tf32 dot product over headdim x dstate terms, whose cancellation a sequence of
@@ -82,14 +82,16 @@ def test_backward_kernels(kw):
 
 def _staged(backward, args, states, base):
     """fwd_pass_state_bwd's gradients through the launchers of its two stages as the scan's backward calls them,
-    from the given entering states, x's added into base (or zeros); and the first stage's outputs."""
+    from the given entering states, added into bases (gradients of x, B, dt_out and dA_cumsum; or zeros); and
+    the first stage's outputs."""
     g_states, g_final, _, x, B, dt_out, dA_cumsum, initial_states, seq_idx, _ = args
     stage1 = backward.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
                                         g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
-    g_x = base.clone() if base is not None else torch.zeros_like(x)
-    g_B, g_dt, g_cs = backward.chunk_state_bwd(stage1[0], stage1[1], x, B, dt_out, dA_cumsum, seq_idx, g_x)
+    grads = ([t.clone() for t in base] if base is not None
+             else [torch.zeros_like(t) for t in (x, B, dt_out, dA_cumsum)])
+    backward.chunk_state_bwd(stage1[0], stage1[1], x, B, dt_out, dA_cumsum, seq_idx, *grads)
     g_init = stage1[2].to(initial_states.dtype) if initial_states is not None else g_states.new_empty((0,))
-    return (g_x, g_B, g_dt, g_cs, g_init), stage1
+    return (*grads, g_init), stage1
 
 
 def _assert_no_aliasing(args, outputs):

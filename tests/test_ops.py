@@ -75,9 +75,10 @@ def bwd_args(case, dtype=torch.float32):
         state=(cot(states), cot(o["final"]), cot(o["varlen"]), *s["state"]),
         passing=(cot(states), cot(o["final"]), states.detach(), dA_cumsum, seq_idx,
                  g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype)),
-        # (its last argument, a gradient of x, is added into)
+        # (its last four arguments, gradients of x, B, dt_out and dA_cumsum, are added into)
         chunk_state=(cot(states).to(g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype)),
-                     cot(dA_cumsum.new_empty((b, h, c))), x, B, dt_out, dA_cumsum, seq_idx, cot(x)),
+                     cot(dA_cumsum.new_empty((b, h, c))), x, B, dt_out, dA_cumsum, seq_idx,
+                     cot(x), cot(B), cot(dt_out), cot(dA_cumsum)),
         out=(cot(o["y"]), *s["out"]),
     )
 
@@ -90,8 +91,8 @@ BWD_OPS = {"cumsum": torch.ops.m2ops.chunk_cumsum_bwd.default,
            "passing": torch.ops.m2ops.state_passing_bwd.default,
            "chunk_state": torch.ops.m2ops.chunk_state_bwd.default,
            "out": torch.ops.m2ops.compute_out_bwd.default}
-# the argument each op writes (adds into), by position
-MUTATED = {"chunk_state": 7}
+# the arguments each op writes (adds into), by position
+MUTATED = {"chunk_state": (7, 8, 9, 10)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -120,10 +121,10 @@ def test_bwd_ops_no_alias_no_mutation(stage, case):
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     outs = BWD_OPS[stage](*args)
     ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
-    for o in outs:
+    for o in outs or ():
         assert o.numel() == 0 or o.untyped_storage().data_ptr() not in ptrs
     for i, (a, b) in enumerate(zip(args, before)):
-        if isinstance(a, torch.Tensor) and i != MUTATED.get(stage):
+        if isinstance(a, torch.Tensor) and i not in MUTATED.get(stage, ()):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -147,8 +148,8 @@ def _check_fake_matches_real(op, args):
     real = op(*args)
     with FakeTensorMode() as mode:
         fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
-    real = real if isinstance(real, tuple) else (real,)
-    fake = fake if isinstance(fake, tuple) else (fake,)
+    real = real if isinstance(real, tuple) else () if real is None else (real,)
+    fake = fake if isinstance(fake, tuple) else () if fake is None else (fake,)
     assert len(real) == len(fake)
     for i, (r, f) in enumerate(zip(real, fake)):
         assert r.shape == f.shape, (op, i, r.shape, f.shape)
@@ -177,9 +178,11 @@ def test_bwd_ops_return_empty_for_absent_optionals():
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("bad", ["shape", "dtype", "device"])
-@pytest.mark.parametrize("stage,name,i", [("passing", "states", 2), ("chunk_state", "g_x", 7)])
+@pytest.mark.parametrize("stage,name,i", [("passing", "states", 2), ("chunk_state", "g_x", 7),
+                                          ("chunk_state", "g_B", 8), ("chunk_state", "g_dt_out", 9),
+                                          ("chunk_state", "g_dA_cumsum", 10)])
 def test_state_bwd_stages_name_a_wrong_argument(stage, name, i, bad, device):
-    """The entering states of state_passing_bwd and the gradient chunk_state_bwd adds into are checked by name,
+    """The entering states of state_passing_bwd and the gradients chunk_state_bwd adds into are checked by name,
     on the real and the fake path (a meta tensor runs the fake implementation, as torch.compile's tracing does);
     "meta" is the other device."""
     if bad == "device" and device == "meta":
@@ -194,8 +197,8 @@ def test_state_bwd_stages_name_a_wrong_argument(stage, name, i, bad, device):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_state_bwd_stages_compose_to_the_op(case):
-    """state_passing_bwd then chunk_state_bwd give fwd_pass_state_bwd's gradients, x's added into the given
-    one (the cases without per-sequence states, which only the whole op takes)."""
+    """state_passing_bwd then chunk_state_bwd give fwd_pass_state_bwd's gradients, added into the given ones
+    (the cases without per-sequence states, which only the whole op takes)."""
     b = bwd_args(case)
     g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, init, seq_idx, cu = b["state"]
     if cu is not None:
@@ -204,12 +207,11 @@ def test_state_bwd_stages_compose_to_the_op(case):
     states = b["passing"][2]
     g_local, g_carry, g_init = BWD_OPS["passing"](g_states, g_final, states, dA_cumsum, seq_idx,
                                                   g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
-    base = torch.randn(x.shape, dtype=x.dtype)
-    g_x = base.clone()
-    got = BWD_OPS["chunk_state"](g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
-    torch.testing.assert_close(g_x, want[0] + base)
-    for g, w in zip(got, want[1:4]):
-        torch.testing.assert_close(g, w)
+    bases = [torch.randn(t.shape, dtype=t.dtype) for t in (x, B, dt_out, dA_cumsum)]
+    got = [t.clone() for t in bases]
+    assert BWD_OPS["chunk_state"](g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, *got) is None
+    for g, w, base in zip(got, want[:4], bases):
+        torch.testing.assert_close(g, w + base)
     if init is not None:
         torch.testing.assert_close(g_init.to(init.dtype), want[4])
 

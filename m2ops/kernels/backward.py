@@ -102,8 +102,9 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
     g_local, g_carry, g_init = state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
                                                  g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
     del states
-    g_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    g_B, g_dt, g_cs = _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into=False)
+    out = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, B, dt_out, dA_cumsum))
+    _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, out, add_into=False)
+    g_x, g_B, g_dt, g_cs = out
     if initial_states is None:
         return g_x, g_B, g_dt, g_cs, g_states.new_empty((0,))
     return g_x, g_B, g_dt, g_cs, g_init.to(initial_states.dtype)
@@ -146,14 +147,25 @@ def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dty
     return g_local, g_carry, g_init
 
 
-def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
-    """Adds x's gradient through the chunks' local states into g_x, in place (chunk_state_bwd_x reads each tile
-    of it before it writes that tile), and returns those of B, dt_out and dA_cumsum."""
-    return _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into=True)
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt, g_cs):
+    """Adds the gradients of x, B, dt_out and dA_cumsum through the chunks' local states into g_x, g_B, g_dt and
+    g_cs, in place (each kernel reads a tile of them before it writes that tile)."""
+    _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, (g_x, g_B, g_dt, g_cs))
 
 
-def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, add_into):
-    """chunk_state_bwd; add_into=False: g_x's contents are not read, only overwritten."""
+def _accumulator(acc, dtype, add_into):
+    """acc itself where the kernels can read and write it in place (dtype, contiguous), else a copy of it in dtype
+    (uninitialised where nothing is added into it)."""
+    if acc.dtype == dtype and acc.is_contiguous():
+        return acc
+    if add_into:
+        return acc.to(dtype, memory_format=torch.contiguous_format)
+    return torch.empty(acc.shape, dtype=dtype, device=acc.device)
+
+
+def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, out, add_into=True):
+    """chunk_state_bwd into out = (g_x, g_B, g_dt, g_cs); add_into=False: their contents are not read, only
+    overwritten."""
     L = dt_out.shape[-1]
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -164,14 +176,15 @@ def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, ad
     dtk, csk = as_dtype(dt_out, torch.float32), as_dtype(dA_cumsum, torch.float32)
     has_seq = seq_idx is not None
     seq = as_dtype(seq_idx, torch.int32) if has_seq else dummy(x, torch.int32, 2)
+    # The gradients are read and written in the dtypes the kernels compute in (specs.py's signatures): through
+    # a copy where the caller's are not in them, or not contiguous.
+    dtypes = (mma_dtype, mma_dtype, torch.float32, torch.float32)
+    work = [_accumulator(t, d, add_into) for t, d in zip(out, dtypes)]
+    g_xk, g_Bk, g_dtk, g_csk = work
 
-    # Per token: g_x and g_w (per headdim tile), then g_B per group. g_x is read and written in the dtype the
-    # kernels compute in (specs.py's signatures): through a copy where the caller's is not that, contiguous.
+    # Per token: g_x and g_w (per headdim tile), then g_B per group.
     k = chunk_state_bwd_constants(L, has_seq, dtype_name(mma_dtype))
     n_ptiles, n_ntiles = cdiv(p, TILE_P), cdiv(n, TILE_N)
-    in_place = g_x.dtype == mma_dtype and g_x.is_contiguous()
-    g_xk = g_x if in_place else (g_x.to(mma_dtype, memory_format=torch.contiguous_format) if add_into
-                                 else torch.empty(x.shape, dtype=mma_dtype, device=dev))
     # (rows past the last token are left unwritten: chunk_state_bwd_w reads none of them)
     g_w_part = torch.empty((b, h, n_ptiles, nchunks * L), dtype=torch.float32, device=dev)
     hinted = functools.partial(hinted_kernel, dtype=dtype_name(mma_dtype), chunk_size=k["BL"])
@@ -179,20 +192,17 @@ def _chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, ad
             (xk, Bk, dtk, csk, seq, g_local, g_xk, g_w_part,
              T, h, h // g, n_ptiles, n_ntiles, int(add_into),
              L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
-    if not in_place:
-        g_x.copy_(g_xk)
-    g_B = torch.empty((b, T, g, n), dtype=mma_dtype, device=dev)
     runtime.launch((nchunks * (L // k["BL"]) * g * n_ntiles, b, 1), hinted("chunk_state_bwd_b"),
-            (xk, dtk, csk, seq, g_local, g_B,
-             T, g, h // g, n_ptiles, n_ntiles, L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
+            (xk, dtk, csk, seq, g_local, g_Bk,
+             T, g, h // g, n_ptiles, n_ntiles, int(add_into), L, k["BL"], k["TP"], k["TN"], k["HAS_SEQ"], k["LOWP"]))
 
     # g_w and g_carry -> g_dt and g_dA_cumsum, (b, h, c, L): one launch for the reference's elementwise formulas.
-    g_dt = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
-    g_cs = torch.empty((b, h, nchunks, L), dtype=torch.float32, device=dev)
     runtime.launch((nchunks * h, b, 1), hinted_kernel("chunk_state_bwd_w", "float32", L),
-                   (g_w_part, csk, dtk, as_dtype(g_carry, torch.float32), seq, g_dt, g_cs, T, h, n_ptiles,
-                    *chunk_state_bwd_w_constants(L, has_seq).values()))
-    return as_dtype(g_B, B.dtype), as_dtype(g_dt, dt_out.dtype), as_dtype(g_cs, dA_cumsum.dtype)
+                   (g_w_part, csk, dtk, as_dtype(g_carry, torch.float32), seq, g_dtk, g_csk, T, h, n_ptiles,
+                    int(add_into), *chunk_state_bwd_w_constants(L, has_seq).values()))
+    for dst, src in zip(out, work):
+        if dst is not src:
+            dst.copy_(src)
 
 
 # compute_out_bwd's G (dL/dy before the gate) passed to its kernels in bfloat16 for bfloat16 inputs: G is the

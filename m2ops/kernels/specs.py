@@ -171,11 +171,12 @@ def _params(kernel_name: str, dt: str, dt_dtype: str = F32, state_dtype: str = F
                 _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_b":
         return (_a(dt, 4), _a(F32, 4), _a(F32, 4), _a(I32, 2), _a(g_local_dtype, 5), _a(dt, 4),
-                _INT, _INT, _INT, _INT, _INT, _INT)
+                _INT, _INT, _INT, _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_sums":
         return (_a(F32, 4), _a(F32, 5), _a(F32, 4), _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT)
     if kernel_name == "chunk_state_bwd_w":
-        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 3), _a(I32, 2), _a(F32, 4), _a(F32, 4), _INT, _INT, _INT)
+        return (_a(F32, 4), _a(F32, 4), _a(F32, 4), _a(F32, 3), _a(I32, 2), _a(F32, 4), _a(F32, 4),
+                _INT, _INT, _INT, _INT)
     if kernel_name == "out_bwd_dx":
         return (_a(g_dtype, 4), _a(F32, 4), _a(F32, 4), _a(F32, 5), _a(I32, 2), _a(dt, 4), _a(F32, 2), _a(dt, 4),
                 _a(F32, 4), _a(F32, 4), _INT, _INT, _INT, _INT, _INT, _INT)

@@ -13,11 +13,13 @@ in the forward, and gS_C = g_final:
    tokens, M = B . glocal_c^T (over all dstate tiles), g_x = w M (added into the caller's g_x, another op's
    gradient of x) and this headdim tile's share of g_w = sum_p x M.
 3. chunk_state_bwd_b_kernel, one program per (chunk, token block, group, dstate tile, batch row): g_B = sum
-   over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head.
+   over the group's heads and headdim tiles of (w x)^T-weighted glocal, i.e. (w x) . glocal_c per head (added
+   into the caller's g_B, another op's gradient of B).
 4. chunk_state_bwd_w_kernel, one program per (chunk, head, batch row), turns g_w (the headdim tiles' shares
    summed) and gcarry into the gradients of dt_out and dA_cumsum: g_dt = g_w decay and, with u = g_w w,
    g_cs_l = -u_l plus, at the chunk's last token, sum_l u_l + gcarry carry (reference:
-   chunked_backward.token_weight_grads), in place of about a dozen small PyTorch operations and their launches.
+   chunked_backward.token_weight_grads), in place of about a dozen small PyTorch operations and their launches;
+   added into the caller's g_dt and g_cs (another op's), in place of two more.
 
 The products with gradients run in tf32 (gradients are float32), or with LOWP (bfloat16 inputs) in bfloat16, glocal
 and the weighted x rounded to bfloat16 as the forward rounds its operands. Under LOWP state_passing_bwd stores
@@ -158,7 +160,8 @@ def chunk_state_bwd_x_kernel(x: Big, B: Big, dt_out: Big, dA_cumsum: Big, seq_id
 
 @ct.kernel
 def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, g_local: Big, g_B: Big,
-                             seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int, L: int,
+                             seqlen: int, ngroups: int, heads_per_group: int, n_ptiles: int, n_ntiles: int,
+                             add_into: int, L: int,
                              BL: ConstInt, TP: ConstInt, TN: ConstInt, HAS_SEQ: ConstBool, LOWP: ConstBool):
     # One program per (chunk, token block, group, dstate tile): the heads of the group are summed in the
     # program, so the token blocks in the grid are what gives the parallelism at short sequences.
@@ -182,13 +185,16 @@ def chunk_state_bwd_b_kernel(x: Big, dt_out: Big, dA_cumsum: Big, seq_idx: Big, 
                 gl = ct.load(g_local, (b, c, h, pt, nt), shape=(1, 1, 1, TP, TN),
                              padding_mode=_ZERO).reshape((TP, TN))
                 acc = ct.mma(_op(xw, LOWP), _op(gl, LOWP), acc)
+        if add_into != 0:  # another op's gradient of B: this program alone reads and then writes the tile
+            acc = acc + ct.load(g_B, (b, row, g, nt), shape=(1, BL, 1, TN),
+                                padding_mode=_ZERO).reshape((BL, TN)).astype(ct.float32)
         ct.store(g_B, (b, row, g, nt), acc.astype(g_B.dtype).reshape((1, BL, 1, TN)))
 
 
 @ct.kernel
 def chunk_state_bwd_w_kernel(g_w_part: Big, dA_cumsum: Big, dt_out: Big, g_carry: Big, seq_idx: Big,
                              g_dt: Big, g_cs: Big,
-                             seqlen: int, nheads: int, n_ptiles: int,
+                             seqlen: int, nheads: int, n_ptiles: int, add_into: int,
                              L: ConstInt, HAS_SEQ: ConstBool):
     pid = ct.bid(0)
     b = ct.bid(1)
@@ -206,5 +212,8 @@ def chunk_state_bwd_w_kernel(g_w_part: Big, dA_cumsum: Big, dt_out: Big, g_carry
     u = gdt * dt
     last = ct.sum(u) + ct.load(g_carry, (b, h, c), shape=()) * carry
     gcs = ct.where(tok == L - 1, last - u, -u)
+    if add_into != 0:  # another op's gradients of dt_out and dA_cumsum, added in float32 before any rounding
+        gdt = gdt + ct.load(g_dt, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
+        gcs = gcs + ct.load(g_cs, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
     ct.store(g_dt, (b, h, c, 0), gdt.astype(g_dt.dtype).reshape((1, 1, 1, L)))
     ct.store(g_cs, (b, h, c, 0), gcs.astype(g_cs.dtype).reshape((1, 1, 1, L)))

@@ -56,9 +56,8 @@ def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dty
             g_states.new_empty((b, h, p, n), dtype=acc))
 
 
-def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
-    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x)
-    return B.new_empty(B.shape), dt_out.new_empty(dt_out.shape), dA_cumsum.new_empty(dA_cumsum.shape)
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt_out, g_dA_cumsum):
+    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, g_x, g_B, g_dt_out, g_dA_cumsum)
 
 
 def compute_out_bwd(g_y, x, dt_out, dA_cumsum, C, B, states, D, z, seq_idx):

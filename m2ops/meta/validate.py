@@ -125,12 +125,18 @@ def check_state_passing_bwd(g_states, g_final, states, dA_cumsum, g_local_dtype,
         _fail(TypeError, "g_local_dtype", "a floating torch.dtype", g_local_dtype, where)
 
 
-def check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x, where="m2ops::chunk_state_bwd"):
-    """`g_x`, the gradient of x this op adds into (x's shape and device, floating), and g_local and g_carry as
-    state_passing_bwd gives them."""
-    _tensor("g_x", g_x, FLOAT_DTYPES, "floating", where)
-    _shape("g_x", g_x, x.shape, "x's (batch, seqlen, nheads, headdim)", where)
-    _device("g_x", g_x, x.device, where)
+def check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, g_x, g_B, g_dt_out, g_dA_cumsum,
+                          where="m2ops::chunk_state_bwd"):
+    """The gradients this op adds into (each of its input's shape and on its device, floating), and g_local and
+    g_carry as state_passing_bwd gives them."""
+    for name, grad, inp, dims in (("g_x", g_x, x, "x's (batch, seqlen, nheads, headdim)"),
+                                  ("g_B", g_B, B, "B's (batch, seqlen, ngroups, dstate)"),
+                                  ("g_dt_out", g_dt_out, dt_out, "dt_out's (batch, nheads, nchunks, chunk_size)"),
+                                  ("g_dA_cumsum", g_dA_cumsum, dA_cumsum,
+                                   "dA_cumsum's (batch, nheads, nchunks, chunk_size)")):
+        _tensor(name, grad, FLOAT_DTYPES, "floating", where)
+        _shape(name, grad, inp.shape, dims, where)
+        _device(name, grad, x.device, where)
     b, _, h, p = x.shape
     c = dt_out.shape[2]
     _shape("g_carry", g_carry, (b, h, c), "(batch, nheads, nchunks)", where)

@@ -63,12 +63,12 @@ def backward_with(impl, saved, g_y, g_final, states=None):
     g_local, g_carry, g_init = impl.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx,
                                                       g_local_dtype(x.dtype, B.dtype, dA_cumsum.dtype))
     # The entering states and their gradients (two (b, c, h, p, n) float32 arrays where recomputed) are freed
-    # before the per-token stage, where a training step's memory peaks; that stage adds its gradient of x into
-    # compute_out_bwd's (one buffer, one pass).
+    # before the per-token stage, where a training step's memory peaks; that stage adds its gradients of x, B,
+    # dt_out and dA_cumsum into compute_out_bwd's (one buffer each, no separate sums).
     del states, g_states
-    g_B2, g_dt2, g_dA2 = impl.chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
+    impl.chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt, g_dA)
     del g_local, g_carry
-    return (g_x, g_dt + g_dt2, g_dA + g_dA2, g_B + g_B2, g_C,
+    return (g_x, g_dt, g_dA, g_B, g_C,
             g_init.to(initial_states.dtype) if initial_states is not None else None,
             g_D if D is not None else None, g_z if z is not None else None, None)
 

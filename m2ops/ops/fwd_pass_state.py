@@ -49,13 +49,15 @@ def state_passing_bwd(g_states: Tensor, g_final: Tensor, states: Tensor, dA_cums
     return bwd.state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dtype)
 
 
-@custom_op("m2ops::chunk_state_bwd", mutates_args=("g_x",))
+@custom_op("m2ops::chunk_state_bwd", mutates_args=("g_x", "g_B", "g_dt_out", "g_dA_cumsum"))
 def chunk_state_bwd(g_local: Tensor, g_carry: Tensor, x: Tensor, B: Tensor, dt_out: Tensor, dA_cumsum: Tensor,
-                    seq_idx: Optional[Tensor], g_x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """From state_passing_bwd's g_local and g_carry: adds x's gradient into g_x (another op's gradient of x: one
-    buffer for both, written where the kernels write theirs) and returns those of B, dt_out and dA_cumsum."""
-    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x)
-    return bwd.chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
+                    seq_idx: Optional[Tensor], g_x: Tensor, g_B: Tensor, g_dt_out: Tensor,
+                    g_dA_cumsum: Tensor) -> None:
+    """From state_passing_bwd's g_local and g_carry: adds the gradients of x, B, dt_out and dA_cumsum into g_x,
+    g_B, g_dt_out and g_dA_cumsum (another op's gradients of them: one buffer each for both, written where the
+    kernels write theirs, in place of a separate sum)."""
+    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, g_x, g_B, g_dt_out, g_dA_cumsum)
+    bwd.chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt_out, g_dA_cumsum)
 
 
 fwd_pass_state.register_fake(fake.fwd_pass_state)
@@ -85,14 +87,14 @@ def _(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dtype):
 chunk_state_bwd.register_fake(fake.chunk_state_bwd)
 _chunk_state_bwd_cuda = dispatch.cuda_impl(
     "chunk_state_bwd", bwd.chunk_state_bwd,
-    lambda g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x:
-    (dt_out.shape[-1], (x, B, dt_out, dA_cumsum, g_carry, g_x), g_local.dtype in KERNEL_G_LOCAL_DTYPES))
+    lambda g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, *grads:
+    (dt_out.shape[-1], (x, B, dt_out, dA_cumsum, g_carry, *grads), g_local.dtype in KERNEL_G_LOCAL_DTYPES))
 
 
 @chunk_state_bwd.register_kernel("cuda")
-def _(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
-    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, g_x)
-    return _chunk_state_bwd_cuda(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x)
+def _(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt_out, g_dA_cumsum):
+    check_chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, g_x, g_B, g_dt_out, g_dA_cumsum)
+    _chunk_state_bwd_cuda(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt_out, g_dA_cumsum)
 
 
 def _setup(ctx, inputs, output):

@@ -149,9 +149,8 @@ def fwd_pass_state_bwd(g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, ini
         _varlen_states_bwd(g_varlen.to(acc), xc, Bc, dt_out.to(acc), cs, states, cu_seqlens,
                            g_st, g_x, g_B, g_dt, g_cs)
     g_local, g_carry, g_init = state_passing_bwd(g_st, g_final, states, cs, seq_idx, acc)
-    g_x = _unchunk(g_x, T)
-    g_B2, g_dt2, g_cs2 = chunk_state_bwd(g_local, g_carry, x.to(acc), B.to(acc), dt_out.to(acc), cs, seq_idx, g_x)
-    grads = (g_x, _unchunk(g_B, T) + g_B2, g_dt + g_dt2, g_cs + g_cs2)
+    grads = (_unchunk(g_x, T).contiguous(), _unchunk(g_B, T).contiguous(), g_dt, g_cs)
+    chunk_state_bwd(g_local, g_carry, x.to(acc), B.to(acc), dt_out.to(acc), cs, seq_idx, *grads)
     inputs = (g_states, g_final, g_varlen, x, B, dt_out, dA_cumsum, initial_states)
     dtypes = (x.dtype, B.dtype, dt_out.dtype, dA_cumsum.dtype)
     if initial_states is None:
@@ -180,10 +179,10 @@ def state_passing_bwd(g_states, g_final, states, dA_cumsum, seq_idx, g_local_dty
     return _finish((g_local, g_carry, gS), (g_states, g_final, states, dA_cumsum), (g_local_dtype, acc, acc))
 
 
-def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
+def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x, g_B, g_dt, g_cs):
     """Through each chunk's local state sum_l w_l x_l (x) B_l and its carry, from state_passing_bwd's g_local
-    and g_carry: adds x's gradient into g_x (b, T, h, p), in place, and returns those of B, dt_out and
-    dA_cumsum."""
+    and g_carry: adds the gradients of x, B, dt_out and dA_cumsum into g_x (b, T, h, p), g_B (b, T, g, n), g_dt
+    and g_cs (b, h, c, L), in place (each sum formed in the accumulation dtype, rounded once)."""
     b, T, h, p = x.shape
     g = B.shape[2]
     L = dt_out.shape[-1]
@@ -195,12 +194,12 @@ def chunk_state_bwd(g_local, g_carry, x, B, dt_out, dA_cumsum, seq_idx, g_x):
     w_t = w.permute(0, 2, 3, 1)  # b c l h
     gl = by_group(g_local.to(acc), g, 2)  # b c g r p n
     gLB = torch.einsum("bcgrpn,bclgn->bclgrp", gl, Bc).flatten(3, 4)  # b c l h p: sum_n glocal B_l
-    g_x.add_(_unchunk(gLB * w_t[..., None], T).to(g_x.dtype))
-    g_B = torch.einsum("bcgrpn,bclgrp->bclgn", gl, by_group(xc * w_t[..., None], g, 3))
+    g_B2 = torch.einsum("bcgrpn,bclgrp->bclgn", gl, by_group(xc * w_t[..., None], g, 3))
     g_w = (gLB * xc).sum(-1).permute(0, 3, 1, 2)  # b h c l
-    g_dt, g_cs = token_weight_grads(g_w, decay, w, g_carry.to(acc), carry)
-    return _finish((_unchunk(g_B, T), g_dt, g_cs), (g_local, g_carry, x, B, dt_out, dA_cumsum, g_x),
-                   (B.dtype, dt_out.dtype, dA_cumsum.dtype))
+    g_dt2, g_cs2 = token_weight_grads(g_w, decay, w, g_carry.to(acc), carry)
+    for grad, part in ((g_x, _unchunk(gLB * w_t[..., None], T)), (g_B, _unchunk(g_B2, T)), (g_dt, g_dt2),
+                       (g_cs, g_cs2)):
+        grad.copy_(grad.to(acc) + part)
 
 
 def _varlen_states_bwd(gV, xc, Bc, dt_out, cs, states, cu_seqlens, g_st, g_x, g_B, g_dt, g_cs):
