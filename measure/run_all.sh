@@ -14,7 +14,9 @@
 # against two), layer_memory (a training step's peak) and
 # grad_assembly (the mixer backward's gradient buffers from their pieces); and the targets' benchmarks with their peers:
 # serve_bench (m2ops.bench.serve), layer_bench (m2ops.bench.layer against mamba_ssm's layer, both paths),
-# fwdbwd_bench (m2ops.bench --backward at 4K-64K).
+# fwdbwd_bench (m2ops.bench --backward at 4K-64K); causal_conv1d (measure/build_causal_conv1d.sh: mamba_ssm's
+# convolution built for sm_90 into $OUT, for its layer's memory-efficient path; beside the test suites with
+# --parallel, since it needs the CPU only).
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
 # that need no timing: e.g. --parallel kernels backward state_update models, about 6 minutes on a fresh H200).
 # The test steps tune into a tuning cache of their own, so that a benchmark run after them on the same machine
@@ -90,6 +92,7 @@ step() {
         --warmup 1 --out "$OUT/layer.json" ;;
     fwdbwd_bench) run fwdbwd_bench 420 python -m m2ops.bench --backward --seqlens 4K,16K,64K --dstates 64,128,256 \
         --peers m2ops,mamba_ssm-c128,mamba_ssm-c256,tilegym --runs 10 --out "$OUT/fwdbwd" ;;
+    causal_conv1d) run causal_conv1d 560 bash measure/build_causal_conv1d.sh "$OUT" ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
 }
