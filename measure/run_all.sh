@@ -14,7 +14,8 @@
 # against two), layer_memory (a training step's peak) and
 # grad_assembly (the mixer backward's gradient buffers from their pieces); and the targets' benchmarks with their peers:
 # serve_bench (m2ops.bench.serve), layer_bench (m2ops.bench.layer against mamba_ssm's layer, both paths),
-# fwdbwd_bench (m2ops.bench --backward at 4K-64K); causal_conv1d (measure/build_causal_conv1d.sh: mamba_ssm's
+# fwdbwd_bench (m2ops.bench --backward at 4K-64K), train_bench and train_bench_b8 (the same at 2K-8K, and at batch
+# 8 x 4K), host_scan (measure/host_scan.py at 4K: host against device time); causal_conv1d (measure/build_causal_conv1d.sh: mamba_ssm's
 # convolution built for sm_90 into $OUT, for its layer's memory-efficient path; beside the test suites with
 # --parallel, since it needs the CPU only).
 # LIMIT_<step>=seconds overrides a step's time limit. With --parallel first, the steps run side by side (for suites
@@ -92,6 +93,13 @@ step() {
         --warmup 1 --out "$OUT/layer.json" ;;
     fwdbwd_bench) run fwdbwd_bench 420 python -m m2ops.bench --backward --seqlens 4K,16K,64K --dstates 64,128,256 \
         --peers m2ops,mamba_ssm-c128,mamba_ssm-c256,tilegym --runs 10 --out "$OUT/fwdbwd" ;;
+    # the training lengths (2K-8K, and batch 8 x 4K) with every peer and the gradients' errors (--check)
+    train_bench) run train_bench 300 python -m m2ops.bench --backward --check --seqlens 4K,8K,2K --dstates 64,128,256 \
+        --peers m2ops,m2ops-graph,mamba_ssm-c128,mamba_ssm-c256,tilegym --runs 10 --warmup 3 --out "$OUT/train" ;;
+    train_bench_b8) run train_bench_b8 200 python -m m2ops.bench --backward --check --batch 8 --seqlens 4K \
+        --dstates 64,128,256 --peers m2ops,m2ops-graph,mamba_ssm-c128,mamba_ssm-c256,tilegym --runs 10 --warmup 3 \
+        --out "$OUT/train_b8" ;;
+    host_scan) run host_scan 90 python measure/host_scan.py --shapes 4K:128,4K:64 --rows 15 ;;
     causal_conv1d) run causal_conv1d 560 bash measure/build_causal_conv1d.sh "$OUT" ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
