@@ -57,6 +57,15 @@ def _rows_in_chunk(seqlen, c, L, BL):
     return ct.minimum(L // BL, (seqlen - c * L + BL - 1) // BL)
 
 
+def written_slots_sum(part, b, h, c, n_slots, seqlen, L):
+    """The sum of one (batch row, head, chunk)'s L positions over its writers' slots part[b, h, i, c*L:(c+1)*L],
+    i < n_slots, zero past the last token (no writer writes there: the slots are left uninitialised)."""
+    acc = ct.zeros((L,), dtype=ct.float32)
+    for i in range(n_slots):
+        acc = acc + ct.load(part, (b, h, i, c), shape=(1, 1, 1, L)).reshape((L,))
+    return ct.where(c * L + ct.arange(L, dtype=ct.int32) < seqlen, acc, 0.0)
+
+
 def _vec(a, b, h, c, blk, BL):
     """Block blk (BL positions) of a chunked (b, h, c, L) float32 array."""
     return ct.load(a, (b, h, c, blk), shape=(1, 1, 1, BL)).reshape((BL,))
@@ -314,10 +323,7 @@ def out_bwd_sums_kernel(g_dt_part: Big, p_cs: Big, g_cs_inter: Big, g_dt: Big, g
     tok = ct.arange(L, dtype=ct.int32)
     q = tok // BL  # each token's block
     rows = _rows_in_chunk(seqlen, c, L, BL)
-    gdt = ct.zeros((L,), dtype=ct.float32)
-    for pt in range(n_ptiles):
-        gdt = gdt + ct.load(g_dt_part, (b, h, pt, c), shape=(1, 1, 1, L)).reshape((L,))
-    gdt = ct.where(c * L + tok < seqlen, gdt, 0.0)
+    gdt = written_slots_sum(g_dt_part, b, h, c, n_ptiles, seqlen, L)
     gcs = ct.zeros((L,), dtype=ct.float32)
     for s in range(L // BL):
         row = ct.load(p_cs, (0, b, h, s, c), shape=(1, 1, 1, 1, L)).reshape((L,))

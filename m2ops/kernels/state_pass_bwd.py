@@ -33,6 +33,7 @@ import cuda.tile as ct
 
 from .common import LOG2E, Big, ConstBool, ConstInt, exp2
 from .common import mma_operand as _op
+from .compute_out_bwd import written_slots_sum
 from .state_passing import _chunk_inputs, _raw_carry, state_block
 
 _ZERO = ct.PaddingMode.ZERO
@@ -200,11 +201,8 @@ def chunk_state_bwd_w_kernel(g_w_part: Big, dA_cumsum: Big, dt_out: Big, g_carry
     b = ct.bid(1)
     h = pid % nheads
     c = pid // nheads
-    gw = ct.zeros((L,), dtype=ct.float32)
-    for pt in range(n_ptiles):
-        gw = gw + ct.load(g_w_part, (b, h, pt, c), shape=(1, 1, 1, L)).reshape((L,))
+    gw = written_slots_sum(g_w_part, b, h, c, n_ptiles, seqlen, L)  # (chunk_state_bwd_x's per-headdim-tile shares)
     tok = ct.arange(L, dtype=ct.int32)
-    gw = ct.where(c * L + tok < seqlen, gw, 0.0)  # chunk_state_bwd_x leaves the rows past the last token unwritten
     decay = _end_decays(dA_cumsum, seq_idx, b, h, c, 0, c, seqlen, L, L, HAS_SEQ)  # the whole chunk as one block
     dt = ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, L)).reshape((L,))
     carry = exp2(_raw_carry(dA_cumsum, seq_idx, b, h, c, seqlen, L, HAS_SEQ) * LOG2E)
